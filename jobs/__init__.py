@@ -1,0 +1,1 @@
+"""What runs on the worker: the engine, generation state, the worker loop."""

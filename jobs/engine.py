@@ -1,0 +1,192 @@
+"""llama.cpp through llama-cpp-python: the only module that imports ``llama_cpp``.
+
+:class:`Vocab` loads a model's vocabulary only (the web process uses it to
+tokenize and to apply chat templates); :class:`LlamaEngine` loads the weights
+and owns one context that the worker drives one step at a time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import llama_cpp
+import numpy as np
+from llama_cpp import _internals, llama_chat_format
+
+__all__ = ["Engine", "EngineError", "LlamaEngine", "Vocab"]
+
+
+class EngineError(RuntimeError):
+    """llama.cpp refused a step (e.g. ``llama_decode`` failed)."""
+
+
+class Engine(Protocol):
+    """What the worker needs from an engine (a fake one serves unit tests)."""
+
+    n_ctx: int
+    n_vocab: int
+
+    def is_eog(self, token: int) -> bool: ...
+    def token_bytes(self, token: int) -> bytes: ...
+    def clear(self, seq: int = 0) -> None: ...
+    def eval(self, tokens: Sequence[int], pos: int, seq: int = 0) -> np.ndarray: ...
+
+
+def _quiet() -> None:
+    """Silence llama.cpp's own logging (it writes to stderr from C)."""
+    llama_cpp.llama_log_set(_NULL_LOG, ctypes.c_void_p(0))
+
+
+@llama_cpp.llama_log_callback
+def _NULL_LOG(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    return None
+
+
+def _load_model(path: str, vocab_only: bool) -> _internals.LlamaModel:
+    _quiet()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = vocab_only
+    return _internals.LlamaModel(path_model=path, params=params, verbose=False)
+
+
+class Vocab:
+    """Tokenizer, detokenizer and chat template of one GGUF model."""
+
+    def __init__(self, path: str, chat_format: str | None = None, *, vocab_only: bool = True):
+        self.model = _load_model(path, vocab_only)
+        self._vocab = self.model.vocab
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self.n_ctx_train = int(self.model.n_ctx_train())
+        self.bos = int(self.model.token_bos())
+        self.eos = int(self.model.token_eos())
+        self.add_bos = bool(self.model.add_bos_token())
+        self.metadata = self.model.metadata()
+        self._lock = threading.Lock()
+        self._piece_cache: dict[int, bytes] = {}
+        self._formatter = self._chat_formatter(chat_format)
+
+    def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        bos = self.add_bos if add_bos is None else add_bos
+        with self._lock:
+            return [int(t) for t in self.model.tokenize(text.encode(), bos, special)]
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token's piece (control tokens give b'')."""
+        piece = self._piece_cache.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(256)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            piece = bytes(buf.raw[: max(n, 0)])
+            self._piece_cache[token] = piece
+        return piece
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[str]]:
+        """Apply the chat template: the prompt text and the template's stop strings."""
+        if self._formatter is None:
+            raise ValueError("this model has no chat template; set PARKQ_CHAT_FORMAT")
+        response = self._formatter(messages=messages, tools=tools)
+        stop = response.stop
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+        return response.prompt, stops
+
+    def _chat_formatter(self, name: str | None) -> Any:
+        if name is None:
+            template = self.metadata.get("tokenizer.chat_template")
+            if template is None:
+                return None
+            eos = self.model.token_get_text(self.eos) if self.eos != -1 else ""
+            bos = self.model.token_get_text(self.bos) if self.bos != -1 else ""
+            return llama_chat_format.Jinja2ChatFormatter(
+                template=template, eos_token=eos, bos_token=bos, stop_token_ids=[self.eos]
+            )
+        handler = llama_chat_format.LlamaChatCompletionHandlerRegistry()
+        try:
+            completion_handler = handler.get_chat_completion_handler_by_name(name)
+        except ValueError:
+            raise ValueError(f"unknown chat format {name!r}") from None
+        # Registered formats wrap a ChatFormatter; take it back out of the closure.
+        for cell in completion_handler.__closure__ or ():
+            value = cell.cell_contents
+            if callable(value) and getattr(value, "__name__", "").startswith("format_"):
+                return value
+        raise ValueError(f"chat format {name!r} has no plain formatter")
+
+
+class LlamaEngine(Vocab):
+    """A loaded model with one context, decoded one batch at a time."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        n_ctx: int = 4096,
+        n_batch: int = 256,
+        n_threads: int | None = None,
+        n_seq_max: int = 1,
+        chat_format: str | None = None,
+    ) -> None:
+        super().__init__(path, chat_format, vocab_only=False)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx or self.n_ctx_train
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = n_seq_max
+        params.swa_full = True
+        if n_threads:
+            params.n_threads = n_threads
+            params.n_threads_batch = n_threads
+        self.ctx = _internals.LlamaContext(model=self.model, params=params, verbose=False)
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx.ctx))
+        self.n_batch = n_batch
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, n_seq_max)
+        self._memory = llama_cpp.llama_get_memory(self.ctx.ctx)
+
+    def close(self) -> None:
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        self.ctx.close()
+        self.model.close()
+
+    def clear(self, seq: int = 0) -> None:
+        llama_cpp.llama_memory_seq_rm(self._memory, seq, -1, -1)
+
+    def eval(self, tokens: Sequence[int], pos: int, seq: int = 0) -> np.ndarray:
+        """Decode ``tokens`` at positions ``pos...`` of ``seq``; logits of the last one."""
+        n = len(tokens)
+        if not 0 < n <= self.n_batch:
+            raise ValueError(f"eval takes 1..{self.n_batch} tokens, got {n}")
+        b = self._batch
+        b.n_tokens = n
+        for i, tok in enumerate(tokens):
+            b.token[i] = tok
+            b.pos[i] = pos + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = False
+        b.logits[n - 1] = True
+        rc = llama_cpp.llama_decode(self.ctx.ctx, b)
+        if rc != 0:
+            raise EngineError(f"llama_decode returned {rc}")
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, n - 1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def save_seq(self, seq: int = 0) -> bytes:
+        """The KV state of one sequence (not the logits: see DESIGN.md)."""
+        size = llama_cpp.llama_state_seq_get_size(self.ctx.ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(self.ctx.ctx, buf, size, seq)
+        return bytes(buf[:n])
+
+    def load_seq(self, data: bytes, seq: int = 0) -> None:
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if llama_cpp.llama_state_seq_set_data(self.ctx.ctx, buf, len(data), seq) == 0:
+            raise EngineError("llama_state_seq_set_data failed")

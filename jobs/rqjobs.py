@@ -1,0 +1,148 @@
+"""RQ's view of parkq jobs: job records, registries and worker registration.
+
+parkq orders and claims jobs itself (a priority sorted set, Lua), but every
+request is also an RQ job, JSON-serialized, whose status follows the parkq
+state, so ``rq info`` and rq-dashboard show queues, executing, finished and
+failed jobs, and the workers. This is the only module that imports ``rq``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+
+import redis
+from rq import Queue, SimpleWorker
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegistry
+from rq.serializers import JSONSerializer
+
+__all__ = ["GENERATE", "RQBridge", "generate"]
+
+log = logging.getLogger(__name__)
+
+
+def generate(job_id: str) -> None:
+    """The function every parkq RQ job names; a parkq worker runs it in its own loop."""
+    raise RuntimeError("parkq jobs run only in a parkq worker (`parkq worker`)")
+
+
+GENERATE = f"{generate.__module__}.{generate.__qualname__}"
+
+
+class RQBridge:
+    """Mirrors parkq job states into RQ's records."""
+
+    def __init__(self, client: redis.Redis, queue_name: str, result_ttl: int) -> None:
+        self.r = client
+        self.queue = Queue(queue_name, connection=client, serializer=JSONSerializer)
+        self.result_ttl = result_ttl
+        self.worker: SimpleWorker | None = None
+        self._executions: dict[str, Execution] = {}
+
+    # -- web side --------------------------------------------------------
+
+    def create(self, job_id: str, description: str) -> None:
+        job = Job.create(
+            GENERATE,
+            args=(job_id,),
+            id=job_id,
+            connection=self.r,
+            serializer=JSONSerializer,
+            origin=self.queue.name,
+            timeout=-1,
+            result_ttl=self.result_ttl,
+            description=description,
+            status=JobStatus.QUEUED,
+        )
+        with self.r.pipeline() as p:
+            job.save(pipeline=p)
+            p.sadd(Queue.redis_queues_keys, self.queue.key)
+            p.rpush(self.queue.key, job_id)
+            p.execute()
+
+    def fetch(self, job_id: str) -> Job | None:
+        try:
+            return Job.fetch(job_id, connection=self.r, serializer=JSONSerializer)
+        except Exception:
+            return None
+
+    def canceled(self, job_id: str) -> None:
+        job = self.fetch(job_id)
+        if job is None:
+            return
+        with self.r.pipeline() as p:
+            p.lrem(self.queue.key, 0, job_id)
+            self._end_execution(job, p)
+            job.set_status(JobStatus.CANCELED, pipeline=p)
+            CanceledJobRegistry(queue=self.queue).add(job, self.result_ttl, pipeline=p)
+            p.execute()
+
+    # -- worker side -----------------------------------------------------
+
+    def register_worker(self, name: str) -> None:
+        self.worker = SimpleWorker(
+            [self.queue], connection=self.r, name=name, serializer=JSONSerializer
+        )
+        self.worker.hostname = socket.gethostname()
+        self.worker.register_birth()
+        self.worker.set_state("idle")
+
+    def unregister_worker(self) -> None:
+        if self.worker is not None:
+            self.worker.register_death()
+
+    def heartbeat(self, ttl: int) -> None:
+        if self.worker is not None:
+            self.worker.heartbeat(ttl)
+
+    def allowed(self, job_id: str) -> bool:
+        """Only jobs whose RQ function is parkq's own may run."""
+        job = self.fetch(job_id)
+        return job is not None and job.func_name == GENERATE
+
+    def started(self, job_id: str, ttl: int) -> None:
+        job = self.fetch(job_id)
+        if job is None or self.worker is None:
+            return
+        with self.r.pipeline() as p:
+            p.lrem(self.queue.key, 0, job_id)
+            job.prepare_for_execution(self.worker.name, pipeline=p)
+            self._executions[job_id] = Execution.create(
+                job, ttl, pipeline=p, worker_name=self.worker.name
+            )
+            self.worker.set_state("busy", pipeline=p)
+            p.execute()
+
+    def ended(self, job_id: str, status: str, error: str = "") -> None:
+        job = self.fetch(job_id)
+        if job is None:
+            return
+        with self.r.pipeline() as p:
+            self._end_execution(job, p)
+            if status == "finished":
+                job.set_status(JobStatus.FINISHED, pipeline=p)
+                FinishedJobRegistry(queue=self.queue).add(job, self.result_ttl, pipeline=p)
+            elif status == "failed":
+                job.set_status(JobStatus.FAILED, pipeline=p)
+                FailedJobRegistry(queue=self.queue).add(
+                    job, self.result_ttl, pipeline=p, exc_string=error
+                )
+            else:
+                job.set_status(JobStatus.CANCELED, pipeline=p)
+                CanceledJobRegistry(queue=self.queue).add(job, self.result_ttl, pipeline=p)
+            p.expire(job.key, self.result_ttl)
+            if self.worker is not None:
+                if status == "finished":
+                    self.worker.increment_successful_job_count(pipeline=p)
+                elif status == "failed":
+                    self.worker.increment_failed_job_count(pipeline=p)
+                self.worker.set_state("idle", pipeline=p)
+            p.execute()
+
+    def _end_execution(self, job: Job, p: Any) -> None:
+        execution = self._executions.pop(job.id, None)
+        if execution is not None:
+            execution.delete(job, pipeline=p)

@@ -1,0 +1,71 @@
+"""Token sampling in NumPy, resumable by construction.
+
+The random draw of step ``n`` comes from a generator seeded with
+``(seed, n)``, so the sampler has no hidden state: a generation parked after
+step ``n`` and resumed anywhere draws exactly what it would have drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["SamplingParams", "TokenLogprob", "logprobs_of", "sample"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def sample(logits: np.ndarray, params: SamplingParams, step: int) -> int:
+    """Pick the next token from raw ``logits`` at generation step ``step``."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / params.temperature
+    candidates = np.arange(scaled.shape[0])
+    if 0 < params.top_k < scaled.shape[0]:
+        candidates = np.argpartition(-scaled, params.top_k - 1)[: params.top_k]
+    values = scaled[candidates]
+    order = np.argsort(-values, kind="stable")
+    candidates, values = candidates[order], values[order]
+    probs = np.exp(values - values[0])
+    probs /= probs.sum()
+    keep = probs.shape[0]
+    if params.top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), params.top_p) + 1)
+    if params.min_p > 0.0:
+        keep = min(keep, max(1, int(np.count_nonzero(probs >= params.min_p * probs[0]))))
+    candidates, probs = candidates[:keep], probs[:keep]
+    probs = probs / probs.sum()
+    rng = np.random.default_rng([params.seed & 0xFFFFFFFFFFFFFFFF, step])
+    return int(candidates[rng.choice(probs.shape[0], p=probs)])
+
+
+def logprobs_of(logits: np.ndarray, token: int, top_n: int) -> TokenLogprob:
+    """The model's log-probability of ``token`` and of its ``top_n`` best alternatives."""
+    x = logits.astype(np.float64)
+    m = float(x.max())
+    lse = m + float(np.log(np.exp(x - m).sum()))
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n > 0:
+        idx = np.argpartition(-x, top_n - 1)[:top_n]
+        idx = idx[np.argsort(-x[idx], kind="stable")]
+        top = tuple((int(i), float(x[i]) - lse) for i in idx)
+    return TokenLogprob(token, float(x[token]) - lse, top)

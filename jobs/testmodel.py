@@ -1,0 +1,118 @@
+"""A tiny, deterministic, random-weight llama GGUF for tests and demos.
+
+2 layers, 64-dim, f32, a ~600-token SentencePiece-style vocabulary with the 256
+byte tokens, so any UTF-8 round-trips through tokenize/detokenize. The same
+seed always writes the same file, and greedy decoding of it is reproducible.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+__all__ = ["CHAT_TEMPLATE", "write_test_model"]
+
+N_EMBD = 64
+N_HEAD = 4
+N_LAYER = 2
+N_FF = 128
+N_CTX_TRAIN = 4096
+
+#: A plain role-tagged template, so chat requests exercise the model's own template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_WORDS = (
+    "the of and to in is it that for you was with on as have be at not this but by from "
+    "they we say her she or an will my one all would there their what so up out if about "
+    "who get which go me when make can like time no just him know take people into year "
+    "your good some could them see other than then now look only come its over think also "
+    "hello world park queue token model job long short answer question"
+).split()
+
+
+def _vocab() -> tuple[list[bytes], list[float], list[int]]:
+    tokens: list[bytes] = [b"<unk>", b"<s>", b"</s>"]
+    scores: list[float] = [0.0, 0.0, 0.0]
+    types: list[int] = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    for b in range(256):
+        tokens.append(f"<0x{b:02X}>".encode())
+        scores.append(0.0)
+        types.append(gguf.TokenType.BYTE)
+    pieces: list[str] = ["\u2581"]
+    pieces += list(string.ascii_letters + string.digits + string.punctuation)
+    pieces += ["\u2581" + c for c in string.ascii_lowercase]
+    pieces += ["\u2581" + w for w in _WORDS]
+    seen: set[str] = set()
+    for piece in pieces:
+        if piece in seen:
+            continue
+        seen.add(piece)
+        tokens.append(piece.encode())
+        # SentencePiece merges prefer higher scores: longer pieces win.
+        scores.append(-1000.0 + 10.0 * len(piece))
+        types.append(gguf.TokenType.NORMAL)
+    return tokens, scores, types
+
+
+def write_test_model(path: str | Path, seed: int = 0) -> Path:
+    """Write the tiny model to ``path`` and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tokens, scores, types = _vocab()
+    n_vocab = len(tokens)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"parkq-tiny-{seed}")
+    w.add_context_length(N_CTX_TRAIN)
+    w.add_embedding_length(N_EMBD)
+    w.add_feed_forward_length(N_FF)
+    w.add_block_count(N_LAYER)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(N_HEAD)
+    w.add_rope_dimension_count(N_EMBD // N_HEAD)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def rand(*shape: int, std: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", rand(n_vocab, N_EMBD, std=1.0))
+    w.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+    out = rand(n_vocab, N_EMBD, std=0.5)
+    out[2] *= 0.25  # make end-of-sequence rare, so generations run long by default
+    w.add_tensor("output.weight", out)
+    for i in range(N_LAYER):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        w.add_tensor(p + "attn_q.weight", rand(N_EMBD, N_EMBD))
+        w.add_tensor(p + "attn_k.weight", rand(N_EMBD, N_EMBD))
+        w.add_tensor(p + "attn_v.weight", rand(N_EMBD, N_EMBD))
+        w.add_tensor(p + "attn_output.weight", rand(N_EMBD, N_EMBD))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+        w.add_tensor(p + "ffn_gate.weight", rand(N_FF, N_EMBD))
+        w.add_tensor(p + "ffn_up.weight", rand(N_FF, N_EMBD))
+        w.add_tensor(p + "ffn_down.weight", rand(N_EMBD, N_FF))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

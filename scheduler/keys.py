@@ -1,0 +1,64 @@
+"""Every Redis key name parkq uses, and nothing else.
+
+All keys of one deployment share one hash tag (``{prefix}``), so every Lua
+script touches keys of one Redis Cluster slot. RQ's own bookkeeping keys
+(``rq:job:*``, ``rq:queue:*``, registries, workers) keep RQ's names so that
+``rq info`` and rq-dashboard see them; no Lua script touches those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Keys"]
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names for one deployment, all under ``{prefix}:``."""
+
+    prefix: str = "parkq"
+
+    @property
+    def base(self) -> str:
+        return "{%s}" % self.prefix
+
+    @property
+    def queue(self) -> str:
+        """Sorted set of waiting job ids, lowest score runs first."""
+        return f"{self.base}:queue"
+
+    @property
+    def wake(self) -> str:
+        """List that idle workers block on; one entry per enqueue."""
+        return f"{self.base}:wake"
+
+    @property
+    def workers(self) -> str:
+        """Sorted set of worker names scored by heartbeat expiry (unix time)."""
+        return f"{self.base}:workers"
+
+    @property
+    def jobs(self) -> str:
+        """Sorted set of every known job id scored by creation time."""
+        return f"{self.base}:jobs"
+
+    @property
+    def job_prefix(self) -> str:
+        return f"{self.base}:job:"
+
+    def job(self, job_id: str) -> str:
+        """Hash holding one job's request, state and counters."""
+        return f"{self.job_prefix}{job_id}"
+
+    def events(self, job_id: str) -> str:
+        """Stream of one job's SSE events; entry ids are ``<seq>-0``."""
+        return f"{self.base}:events:{job_id}"
+
+    def channel(self, job_id: str) -> str:
+        """Pub/sub channel announcing one job's new events live."""
+        return f"{self.base}:live:{job_id}"
+
+    def worker(self, name: str) -> str:
+        """Hash of one worker: its current job and execution token."""
+        return f"{self.base}:worker:{name}"

@@ -1,0 +1,98 @@
+"""The one settings object of parkq.
+
+Built once per entry point from the environment (prefix ``PARKQ_``) plus the
+command-line overrides, frozen, and passed down. Nothing else reads
+``os.environ``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from scheduler.keys import Keys
+from scheduler.policy import Policy
+
+__all__ = ["Settings", "load_settings"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PARKQ_", frozen=True, extra="ignore")
+
+    # Redis
+    redis_url: str | None = Field(
+        None,
+        description="Redis URL. `parkq up` starts an embedded Redis when unset; "
+        "`parkq web` and `parkq worker` require it.",
+    )
+    key_prefix: str = Field(
+        "parkq", description="Prefix of every parkq key; it is also the Redis Cluster hash tag."
+    )
+    queue_name: str = Field("parkq", description="RQ queue name shown by `rq info`.")
+
+    # Model
+    model: str | None = Field(
+        None, description="Path of the GGUF model. Unset: the demo model is assembled and used."
+    )
+    model_alias: str | None = Field(
+        None, description="Model name reported by the API; default: the file name without .gguf."
+    )
+    chat_format: str | None = Field(
+        None,
+        description="Named llama-cpp-python chat format (e.g. 'gemma'); "
+        "unset: the model's own chat template.",
+    )
+    n_ctx: int = Field(4096, ge=0, description="Context size; 0 means the model's training size.")
+    n_batch: int = Field(256, ge=1, description="Prefill chunk size in tokens.")
+    n_threads: int | None = Field(None, ge=1, description="Decode threads; unset: llama.cpp's.")
+    cache_dir: str | None = Field(
+        None, description="Cache directory for the assembled demo model; default ~/.cache/parkq."
+    )
+
+    # Web
+    host: str = Field("127.0.0.1", description="Address the web server binds.")
+    port: int = Field(8000, ge=0, le=65535, description="Port the web server binds.")
+    web_threads: int = Field(64, ge=1, description="Web server threads (one per open stream).")
+    max_body_bytes: int = Field(1 << 20, ge=1, description="Largest accepted request body.")
+    keepalive_seconds: float = Field(
+        15.0, gt=0, description="Idle SSE streams get a comment line this often."
+    )
+    completions_default_max_tokens: int = Field(
+        16, ge=1, description="max_tokens of /v1/completions when the request gives none."
+    )
+
+    # Worker
+    worker_name: str | None = Field(None, description="Worker name; default host.pid.")
+    worker_ttl: float = Field(
+        10.0, gt=0, description="A worker whose heartbeat is older than this is dead."
+    )
+    heartbeat_seconds: float = Field(2.0, gt=0, description="Worker heartbeat period.")
+    result_ttl: int = Field(
+        86400, ge=1, description="Seconds a finished job and its events are kept."
+    )
+
+    # Scheduling policy
+    priority_level_seconds: float = Field(
+        60.0, gt=0, description="Seconds of waiting one priority level is worth."
+    )
+    aging_rate: float = Field(1.0, gt=0, description="Priority gained per second of waiting.")
+
+    # Logging
+    log_level: str = Field("INFO", description="Python logging level.")
+    log_format: Literal["text", "json"] = Field("text", description="'text' or 'json' logs.")
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.key_prefix)
+
+    @property
+    def policy(self) -> Policy:
+        return Policy(level_seconds=self.priority_level_seconds, aging_rate=self.aging_rate)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment, with explicit (non-None) overrides on top."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return Settings(**given)

@@ -1,0 +1,1 @@
+"""The HTTP side of parkq: OpenAI-compatible routes, SSE, job routes, the CLI."""

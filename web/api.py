@@ -1,0 +1,335 @@
+"""OpenAI-compatible routes and parkq's job routes."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
+
+from jobs.events import DONE
+from jobs.generation import GenerationRequest
+from jobs.sampling import SamplingParams
+from scheduler.policy import priority_level
+from web import sse
+from web.errors import (
+    APIError,
+    BadRequest,
+    Conflict,
+    ContextLengthExceeded,
+    NotFound,
+)
+from web.runtime import Runtime
+from web.schemas import ChatRequest, CompletionRequest, _Common, parse
+
+__all__ = ["bp"]
+
+bp = Blueprint("api", __name__)
+
+
+def rt() -> Runtime:
+    runtime: Runtime = current_app.extensions["parkq"]
+    return runtime
+
+
+def _body() -> Any:
+    try:
+        return json.loads(request.get_data(cache=False))
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("The request body is not valid JSON.") from None
+
+
+# -- requests -> jobs --------------------------------------------------------
+
+
+def _level(req: _Common) -> int:
+    try:
+        return priority_level(req.priority)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="priority") from None
+
+
+def _limit(prompt_tokens: int, asked: int | None, default: int | None) -> int:
+    n_ctx = rt().n_ctx
+    room = n_ctx - prompt_tokens
+    if asked is None:
+        asked = room if default is None else min(default, room)
+        if asked < 1:
+            raise ContextLengthExceeded(
+                f"The prompt is {prompt_tokens} tokens; the context holds {n_ctx}, "
+                "leaving no room to generate.",
+                param="messages",
+            )
+    if prompt_tokens + asked > n_ctx:
+        raise ContextLengthExceeded(
+            f"This model's context holds {n_ctx} tokens, but the request needs "
+            f"{prompt_tokens + asked} ({prompt_tokens} in the prompt, {asked} to generate).",
+            param="max_tokens",
+        )
+    return asked
+
+
+def _sampling(req: _Common) -> SamplingParams:
+    seed = req.seed if req.seed is not None else secrets.randbits(63)
+    return SamplingParams(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        seed=seed,
+    )
+
+
+def _chat_job(req: ChatRequest) -> GenerationRequest:
+    runtime = rt()
+    messages = [m.as_template_input() for m in req.messages]
+    try:
+        prompt, template_stops = runtime.vocab.chat_prompt(messages, req.tools)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="messages") from None
+    ids = runtime.vocab.tokenize(prompt, special=True)
+    top = req.top_logprobs or 0
+    if top and not req.logprobs:
+        raise BadRequest("top_logprobs requires logprobs=true", param="top_logprobs")
+    return GenerationRequest(
+        kind="chat",
+        model=runtime.model_name,
+        prompt_ids=ids,
+        max_tokens=_limit(len(ids), req.token_limit, None),
+        sampling=_sampling(req),
+        stop=tuple(req.stop or []) + tuple(template_stops),
+        logprobs=req.logprobs,
+        top_logprobs=top,
+        ignore_eos=req.ignore_eos,
+        include_usage=req.include_usage,
+        created=int(time.time()),
+    )
+
+
+def _completion_job(req: CompletionRequest) -> GenerationRequest:
+    runtime = rt()
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        ids = [int(t) for t in prompt]
+        if any(not 0 <= t < runtime.vocab.n_vocab for t in ids):
+            raise BadRequest("prompt token id out of the vocabulary", param="prompt")
+    else:
+        text = prompt[0] if isinstance(prompt, list) else prompt
+        ids = runtime.vocab.tokenize(str(text), special=False)
+    if not ids:
+        raise BadRequest("The prompt is empty.", param="prompt")
+    return GenerationRequest(
+        kind="completion",
+        model=runtime.model_name,
+        prompt_ids=ids,
+        max_tokens=_limit(len(ids), req.token_limit, runtime.settings.completions_default_max_tokens),
+        sampling=_sampling(req),
+        stop=tuple(req.stop or []),
+        logprobs=req.logprobs is not None,
+        top_logprobs=req.logprobs or 0,
+        ignore_eos=req.ignore_eos,
+        include_usage=req.include_usage,
+        created=int(time.time()),
+    )
+
+
+def _submit(prefix: str, gen: GenerationRequest, level: int) -> str:
+    runtime = rt()
+    job_id = f"{prefix}-{secrets.token_hex(12)}"
+    runtime.rq.create(job_id, f"{gen.kind} {len(gen.prompt_ids)}+{gen.max_tokens} tokens")
+    runtime.store.enqueue(job_id, gen.kind, gen.to_json(), level, time.time())
+    current_app.logger.info("job %s: queued (priority %d)", job_id, level)
+    return job_id
+
+
+# -- responses ----------------------------------------------------------------
+
+
+def _stream(job_id: str, after: int) -> Response:
+    runtime = rt()
+
+    def generate() -> Iterator[bytes]:
+        for item in sse.events(runtime.store, job_id, after, runtime.settings.keepalive_seconds):
+            yield sse.KEEPALIVE if item is None else sse.frame(*item)
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Job-Id": job_id}
+    return Response(
+        stream_with_context(generate()), mimetype="text/event-stream", headers=headers
+    )
+
+
+def _collect(job_id: str) -> list[dict[str, Any]]:
+    runtime = rt()
+    chunks: list[dict[str, Any]] = []
+    for item in sse.events(runtime.store, job_id, 0, runtime.settings.keepalive_seconds):
+        if item is None or item[1] == DONE:
+            continue
+        chunk = json.loads(item[1])
+        if "error" in chunk:
+            err = chunk["error"]
+            exc = Conflict(err["message"], code=err["code"])
+            if err.get("type") != "cancelled":
+                exc = APIError(err["message"], code=err["code"])
+            raise exc
+        chunks.append(chunk)
+    return chunks
+
+
+def _aggregate(job_id: str, gen: GenerationRequest) -> dict[str, Any]:
+    chunks = _collect(job_id)
+    record = rt().store.get(job_id) or {}
+    usage = json.loads(record.get("usage", "null"))
+    finish = None
+    text: list[str] = []
+    chat_lp: list[Any] = []
+    cmpl_lp: dict[str, list[Any]] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            finish = choice.get("finish_reason") or finish
+            lp = choice.get("logprobs")
+            if gen.kind == "chat":
+                text.append(choice["delta"].get("content") or "")
+                if lp:
+                    chat_lp.extend(lp["content"])
+            else:
+                text.append(choice.get("text") or "")
+                if lp:
+                    for key, values in cmpl_lp.items():
+                        values.extend(lp[key])
+    base = {"id": job_id, "created": gen.created, "model": gen.model, "usage": usage}
+    if gen.kind == "chat":
+        message = {"role": "assistant", "content": "".join(text)}
+        logprobs = {"content": chat_lp} if gen.logprobs else None
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        return {**base, "object": "chat.completion", "choices": [choice]}
+    logprobs_c = cmpl_lp if gen.logprobs else None
+    choice = {"index": 0, "text": "".join(text), "logprobs": logprobs_c, "finish_reason": finish}
+    return {**base, "object": "text_completion", "choices": [choice]}
+
+
+def _run(prefix: str, req: _Common, level: int, gen: GenerationRequest) -> Any:
+    job_id = _submit(prefix, gen, level)
+    if req.stream:
+        return _stream(job_id, 0)
+    return jsonify(_aggregate(job_id, gen))
+
+
+# -- routes -------------------------------------------------------------------
+
+
+@bp.post("/v1/chat/completions")
+def chat_completions() -> Any:
+    req = parse(ChatRequest, _body())
+    return _run("chatcmpl", req, _level(req), _chat_job(req))
+
+
+@bp.post("/v1/completions")
+def completions() -> Any:
+    req = parse(CompletionRequest, _body())
+    return _run("cmpl", req, _level(req), _completion_job(req))
+
+
+@bp.get("/v1/models")
+def models() -> Any:
+    runtime = rt()
+    model = {
+        "id": runtime.model_name,
+        "object": "model",
+        "created": runtime.started,
+        "owned_by": "parkq",
+        "context_length": runtime.n_ctx,
+    }
+    return jsonify({"object": "list", "data": [model]})
+
+
+@bp.get("/healthz")
+def healthz() -> Any:
+    runtime = rt()
+    try:
+        runtime.store.r.ping()
+        workers = runtime.store.workers_alive(time.time())
+        redis_ok = True
+    except Exception:
+        workers, redis_ok = [], False
+    ok = redis_ok and bool(workers)
+    body = {
+        "status": "ok" if ok else "unavailable",
+        "redis": redis_ok,
+        "workers": len(workers),
+        "model": runtime.model_name,
+    }
+    return jsonify(body), 200 if ok else 503
+
+
+def _job_record(job_id: str) -> dict[str, str]:
+    record = rt().store.get(job_id)
+    if record is None:
+        raise NotFound(f"No job with id '{job_id}'.", param="job_id")
+    return record
+
+
+def _float(record: dict[str, str], key: str) -> float | None:
+    value = record.get(key)
+    return float(value) if value else None
+
+
+@bp.get("/v1/jobs/<job_id>")
+def job_status(job_id: str) -> Any:
+    record = _job_record(job_id)
+    body = {
+        "id": job_id,
+        "object": "job",
+        "kind": record.get("kind"),
+        "state": record.get("state"),
+        "priority": int(record.get("priority", 0)),
+        "queue_position": rt().store.queue_position(job_id),
+        "tokens": int(record.get("tokens", 0)),
+        "events": int(record.get("seq", 0)),
+        "preemptions": int(record.get("preemptions", 0)),
+        "worker": record.get("worker"),
+        "created_at": _float(record, "created_at"),
+        "started_at": _float(record, "started_at"),
+        "finished_at": _float(record, "finished_at"),
+        "finish_reason": record.get("finish_reason"),
+        "usage": json.loads(record["usage"]) if record.get("usage") else None,
+        "error": record.get("error"),
+    }
+    return jsonify(body)
+
+
+@bp.get("/v1/jobs/<job_id>/events")
+def job_events(job_id: str) -> Any:
+    _job_record(job_id)
+    raw = request.headers.get("Last-Event-ID") or request.args.get("last_event_id") or "0"
+    try:
+        after = int(raw)
+    except ValueError:
+        raise BadRequest("Last-Event-ID must be an event id (an integer).") from None
+    if after < 0:
+        raise BadRequest("Last-Event-ID must not be negative.")
+    return _stream(job_id, after)
+
+
+@bp.delete("/v1/jobs/<job_id>")
+def cancel_job(job_id: str) -> Any:
+    runtime = rt()
+    result = runtime.store.cancel(job_id, time.time())
+    if result is None:
+        raise NotFound(f"No job with id '{job_id}'.", param="job_id")
+    if result == "cancelled":
+        runtime.rq.canceled(job_id)
+        current_app.logger.info("job %s: cancelled while waiting", job_id)
+        return jsonify({"id": job_id, "object": "job", "state": "cancelled"})
+    if result == "cancelling":
+        current_app.logger.info("job %s: cancel requested while running", job_id)
+        return jsonify({"id": job_id, "object": "job", "state": "cancelling"}), 202
+    raise Conflict(f"Job '{job_id}' has already ended ({result}).", code="job_ended")
+

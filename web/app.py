@@ -1,0 +1,58 @@
+"""The Flask application factory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import redis
+from flask import Flask
+
+from jobs.rqjobs import RQBridge
+from jobs.store import Store
+from scheduler.settings import Settings
+from web import errors
+from web.runtime import Runtime, VocabLike
+
+__all__ = ["create_app", "model_name"]
+
+
+def model_name(settings: Settings) -> str:
+    if settings.model_alias:
+        return settings.model_alias
+    return Path(settings.model or "model").name.removesuffix(".gguf")
+
+
+def create_app(
+    settings: Settings,
+    *,
+    vocab: VocabLike | None = None,
+    client: redis.Redis | None = None,
+) -> Flask:
+    """Build the app. ``vocab`` and ``client`` default to the model's vocabulary
+    and a Redis client for ``settings.redis_url`` (tests pass their own)."""
+    if client is None:
+        if not settings.redis_url:
+            raise ValueError("PARKQ_REDIS_URL is required")
+        client = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+    if vocab is None:
+        if not settings.model:
+            raise ValueError("PARKQ_MODEL is required")
+        from jobs.engine import Vocab
+
+        vocab = Vocab(settings.model, settings.chat_format)
+
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    app.extensions["parkq"] = Runtime(
+        settings=settings,
+        store=Store(client, settings),
+        rq=RQBridge(client, settings.queue_name, settings.result_ttl),
+        vocab=vocab,
+        model_name=model_name(settings),
+    )
+    errors.init_app(app)
+    from web.api import bp
+
+    app.register_blueprint(bp)
+    return app

