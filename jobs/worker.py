@@ -65,8 +65,11 @@ class Worker:
                     continue
                 self.execute(claim)
         finally:
-            self.store.remove_worker(self.name)
-            self.rq.unregister_worker()
+            try:
+                self.store.remove_worker(self.name)
+                self.rq.unregister_worker()
+            except redis.ConnectionError:
+                log.warning("worker %s: Redis gone; could not sign off", self.name)
             log.info("worker %s stopped", self.name)
 
     def stop(self) -> None:

@@ -331,5 +331,6 @@ def cancel_job(job_id: str) -> Any:
     if result == "cancelling":
         current_app.logger.info("job %s: cancel requested while running", job_id)
         return jsonify({"id": job_id, "object": "job", "state": "cancelling"}), 202
-    raise Conflict(f"Job '{job_id}' has already ended ({result}).", code="job_ended")
+    state = result.removeprefix("ended:")
+    raise Conflict(f"Job '{job_id}' has already ended ({state}).", code="job_ended")
 

@@ -81,7 +81,11 @@ class Stack:
         return f"http://{host}:{self.settings.port}"
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        proc = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
+        # Own process group: a terminal's Ctrl-C reaches the launcher only, which
+        # then stops the children in order (Redis last).
+        proc = subprocess.Popen(
+            argv, env=env, preexec_fn=_die_with_parent, start_new_session=True
+        )
         self.children.append((name, proc))
 
     def start(self) -> None:
@@ -98,6 +102,7 @@ class Stack:
                     "--save", "",
                     "--appendonly", "no",
                     "--loglevel", "warning",
+                    "--logfile", os.path.join(self.tmp, "redis.log"),
                 ],
             )  # fmt: skip
             self.settings = self.settings.model_copy(

@@ -28,6 +28,7 @@ class _Gunicorn(BaseApplication):  # type: ignore[misc]
             "keepalive": 5,
             "loglevel": s.log_level.lower(),
             "accesslog": None,
+            "control_socket_disable": True,
         }
         for key, value in options.items():
             self.cfg.set(key, value)

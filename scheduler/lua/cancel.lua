@@ -3,7 +3,7 @@
 -- ARGV: id, channel, now, ttl, states cancelled at once (comma separated),
 --       states asked to stop at their next step (comma separated), payloads...
 -- Returns false for an unknown job, 'cancelled' when it ended here,
--- 'cancelling' when its worker will stop it, else its (terminal) state.
+-- 'cancelling' when its worker will stop it, else 'ended:<its terminal state>'.
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then
   return false
@@ -28,4 +28,4 @@ if flag_states[state] then
   redis.call('HSET', KEYS[1], 'cancel', '1')
   return 'cancelling'
 end
-return state
+return 'ended:' .. state

@@ -1,0 +1,76 @@
+"""Shared fixtures: a real redis-server, the tiny model, a fake engine."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from jobs.testmodel import write_test_model
+from web.launcher import embedded_redis_server, free_port
+
+
+def _redis_binary() -> str:
+    return shutil.which("redis-server") or embedded_redis_server()
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, in its own directory."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, *extra: str) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [
+                _redis_binary(),
+                "--port", str(self.port),
+                "--bind", "127.0.0.1",
+                "--dir", str(self.workdir),
+                "--save", "",
+                "--logfile", str(self.workdir / "redis.log"),
+                *extra,
+            ],
+        )  # fmt: skip
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+            self.proc = None
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_test_model(tmp_path_factory.mktemp("model") / "tiny.gguf", seed=0)

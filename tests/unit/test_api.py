@@ -1,0 +1,157 @@
+"""The HTTP layer with Flask's test client, fakeredis and a fake vocabulary."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import fakeredis
+import pytest
+from flask.testing import FlaskClient
+
+from jobs.events import DONE
+from jobs.store import Store
+from scheduler.settings import Settings
+from tests.fakes import FakeVocab
+from web.app import create_app
+
+
+@pytest.fixture
+def client(settings: Settings, fake_redis: fakeredis.FakeRedis) -> FlaskClient:
+    s = settings.model_copy(update={"max_body_bytes": 2000, "model_alias": "fake-model"})
+    return create_app(s, vocab=FakeVocab(), client=fake_redis).test_client()
+
+
+def _error(resp) -> dict:
+    body = resp.get_json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_p": 7}, "top_p"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5}, "stop"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": "hi"}], "priority": "urgent"}, "priority"),
+    ],
+)
+def test_invalid_chat_fields_get_400_naming_the_field(client: FlaskClient, body, param) -> None:
+    resp = client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400
+    err = _error(resp)
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param
+
+
+def test_n_above_one_says_why(client: FlaskClient) -> None:
+    resp = client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 3}
+    )
+    assert "only n=1 is supported" in _error(resp)["message"]
+
+
+def test_malformed_json_and_invalid_utf8(client: FlaskClient) -> None:
+    for data in (b"{not json", b'{"prompt": "\xff\xfe"}', b"[1, 2]"):
+        resp = client.post("/v1/completions", data=data, content_type="application/json")
+        assert resp.status_code == 400
+        _error(resp)
+
+
+def test_body_over_the_limit_is_413(client: FlaskClient) -> None:
+    resp = client.post("/v1/completions", json={"prompt": "x" * 5000})
+    assert resp.status_code == 413
+    assert _error(resp)["code"] == "request_too_large"
+
+
+def test_prompt_plus_max_tokens_over_context_gives_counts(client: FlaskClient) -> None:
+    resp = client.post("/v1/completions", json={"prompt": "x" * 200, "max_tokens": 100})
+    assert resp.status_code == 400
+    err = _error(resp)
+    assert err["code"] == "context_length_exceeded"
+    assert "256" in err["message"] and "300" in err["message"] and "200" in err["message"]
+
+
+def test_rejected_requests_leave_no_job(client: FlaskClient, fake_redis) -> None:
+    client.post("/v1/completions", json={"prompt": "x" * 200, "max_tokens": 100})
+    assert fake_redis.zcard("{parkq}:queue") == 0
+
+
+def test_unknown_job_and_route_are_404(client: FlaskClient) -> None:
+    for resp in (
+        client.get("/v1/jobs/nope"),
+        client.delete("/v1/jobs/nope"),
+        client.get("/v1/jobs/nope/events"),
+        client.get("/v1/nothing"),
+    ):
+        assert resp.status_code == 404
+        _error(resp)
+
+
+def test_models_lists_the_one_model(client: FlaskClient) -> None:
+    data = client.get("/v1/models").get_json()["data"]
+    assert [m["id"] for m in data] == ["fake-model"]
+
+
+def test_healthz_needs_a_live_worker(client: FlaskClient, store: Store) -> None:
+    resp = client.get("/healthz")
+    assert resp.status_code == 503 and resp.get_json()["workers"] == 0
+    store.heartbeat("w1", 1e12, 10)  # alive far into the future
+    body = client.get("/healthz").get_json()
+    assert body == {"status": "ok", "redis": True, "workers": 1, "model": "fake-model"}
+
+
+def _sse(raw: bytes) -> list[tuple[int, str]]:
+    events = []
+    for block in raw.decode().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "id" in lines:
+            events.append((int(lines["id"]), lines["data"]))
+    return events
+
+
+def test_events_replay_after_last_event_id(client: FlaskClient, store: Store) -> None:
+    store.enqueue("j1", "completion", {}, 0, 1.0)
+    claim = store.claim("w", 2.0)
+    assert claim is not None
+    chunks = [json.dumps({"n": i}) for i in range(5)]
+    store.step("j1", claim.exec_token, "w", 5, chunks)
+    store.step("j1", claim.exec_token, "w", 5, [DONE])
+    resp = client.get("/v1/jobs/j1/events", headers={"Last-Event-ID": "3"})
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    assert _sse(resp.data) == [(4, chunks[3]), (5, chunks[4]), (6, DONE)]
+
+
+def test_live_events_follow_the_replay(client: FlaskClient, store: Store) -> None:
+    store.enqueue("j2", "completion", {}, 0, 1.0)
+    claim = store.claim("w", 2.0)
+    assert claim is not None
+    store.step("j2", claim.exec_token, "w", 1, ["a"])
+
+    def produce() -> None:
+        for data in ("b", "c", DONE):
+            store.step("j2", claim.exec_token, "w", 1, [data])
+
+    timer = threading.Timer(0.3, produce)
+    timer.start()
+    resp = client.get("/v1/jobs/j2/events")
+    raw = resp.data
+    timer.join()
+    assert _sse(raw) == [(1, "a"), (2, "b"), (3, "c"), (4, DONE)]
+    assert b": keepalive" in raw  # the stream idled longer than keepalive_seconds
+
+
+def test_cancel_queued_job(client: FlaskClient, store: Store) -> None:
+    resp = client.post("/v1/completions", json={"prompt": "hello", "stream": True})
+    job_id = resp.headers["X-Job-Id"]
+    resp.close()
+    assert client.get(f"/v1/jobs/{job_id}").get_json()["state"] == "queued"
+    assert client.delete(f"/v1/jobs/{job_id}").get_json()["state"] == "cancelled"
+    assert client.get(f"/v1/jobs/{job_id}").get_json()["state"] == "cancelled"
+    assert client.delete(f"/v1/jobs/{job_id}").status_code == 409
+    assert store.claim("w", 1e12) is None

@@ -1,0 +1,73 @@
+import pytest
+
+from jobs.events import DONE
+from jobs.store import Fenced, Store
+from scheduler.state import JobState
+
+
+def _enqueue(store: Store, job_id: str, level: int, at: float) -> None:
+    assert store.enqueue(job_id, "completion", {"x": 1}, level, at)
+
+
+def test_claim_takes_highest_priority_then_oldest(store: Store) -> None:
+    _enqueue(store, "batch", 0, 100.0)
+    _enqueue(store, "late", 10, 102.0)
+    _enqueue(store, "early", 10, 101.0)
+    order = [store.claim("w", 200.0).job_id for _ in range(3)]  # type: ignore[union-attr]
+    assert order == ["early", "late", "batch"]
+    assert store.claim("w", 200.0) is None
+
+
+def test_enqueue_refuses_a_taken_id(store: Store) -> None:
+    _enqueue(store, "a", 0, 1.0)
+    assert not store.enqueue("a", "completion", {}, 0, 2.0)
+
+
+def test_claim_marks_running_with_a_fresh_execution_token(store: Store) -> None:
+    _enqueue(store, "a", 0, 1.0)
+    claim = store.claim("w1", 5.0)
+    assert claim is not None and claim.previous_state is JobState.QUEUED
+    rec = store.get("a")
+    assert rec is not None
+    assert rec["state"] == "running" and rec["worker"] == "w1" and rec["exec"] == claim.exec_token
+
+
+def test_step_appends_numbered_events_and_reports_cancel(store: Store) -> None:
+    _enqueue(store, "a", 0, 1.0)
+    claim = store.claim("w", 2.0)
+    assert claim is not None
+    assert store.step("a", claim.exec_token, "w", 1, ["one"]) == 0
+    assert store.step("a", claim.exec_token, "w", 2, ["two", "three"]) == 0
+    assert store.events_after("a", 0) == [(1, "one"), (2, "two"), (3, "three")]
+    assert store.events_after("a", 2) == [(3, "three")]
+    assert store.cancel("a", 3.0) == "cancelling"
+    assert store.step("a", claim.exec_token, "w", 2, []) & 1
+
+
+def test_a_stale_execution_cannot_write(store: Store) -> None:
+    _enqueue(store, "a", 0, 1.0)
+    claim = store.claim("w", 2.0)
+    assert claim is not None
+    with pytest.raises(Fenced):
+        store.step("a", "999", "w", 1, ["x"])
+    assert store.events_after("a", 0) == []
+
+
+def test_cancel_queued_job_ends_its_stream_and_it_never_runs(store: Store) -> None:
+    _enqueue(store, "a", 0, 1.0)
+    assert store.cancel("a", 2.0) == "cancelled"
+    assert store.claim("w", 3.0) is None
+    events = store.events_after("a", 0)
+    assert '"job_cancelled"' in events[0][1] and events[-1] == (2, DONE)
+    assert store.cancel("a", 4.0) == "ended:cancelled"
+    assert store.cancel("nope", 4.0) is None
+
+
+def test_finish_sets_terminal_state_and_last_events(store: Store) -> None:
+    _enqueue(store, "a", 0, 1.0)
+    claim = store.claim("w", 2.0)
+    assert claim is not None
+    store.finish("a", claim.exec_token, "w", JobState.FINISHED, {"finish_reason": "stop"}, [DONE])
+    rec = store.get("a")
+    assert rec is not None and rec["state"] == "finished" and rec["finish_reason"] == "stop"
+    assert store.events_after("a", 0) == [(1, DONE)]
