@@ -152,6 +152,8 @@ def _stream(job_id: str, after: int) -> Response:
     runtime = rt()
 
     def generate() -> Iterator[bytes]:
+        # A first comment sends the headers at once, even while the job waits.
+        yield f": parkq job {job_id}\n\n".encode()
         for item in sse.events(runtime.store, job_id, after, runtime.settings.keepalive_seconds):
             yield sse.KEEPALIVE if item is None else sse.frame(*item)
 

@@ -1,0 +1,69 @@
+"""The `parkq` command as a user runs it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.integration.conftest import start_parkq
+
+PARKQ = [sys.executable, "-m", "web.cli"]
+
+
+@pytest.mark.parametrize("sub", [[], ["up"], ["web"], ["worker"], ["make-test-model"], ["demo"]])
+def test_help(sub: list[str]) -> None:
+    out = subprocess.run([*PARKQ, *sub, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "Usage: " in out.stdout
+
+
+def test_make_test_model_is_deterministic(tmp_path: Path) -> None:
+    digests = []
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        path = tmp_path / f"{name}.gguf"
+        subprocess.run([*PARKQ, "make-test-model", str(path), "--seed", str(seed)], check=True, timeout=60)
+        digests.append(hashlib.sha256(path.read_bytes()).hexdigest())
+    assert digests[0] == digests[1] != digests[2]
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_up_with_embedded_redis_stops_every_child_on_sigterm(tiny_model: Path) -> None:
+    proc, base = start_parkq(tiny_model, None, "--workers", "2")
+    try:
+        health = requests.get(base + "/healthz", timeout=10).json()
+        assert health["workers"] == 2 and health["redis"] is True
+        out = requests.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert out.status_code == 200
+        kids = _children(proc.pid)
+        assert len(kids) == 4  # redis, web, two workers
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    assert not [k for k in kids if _alive(k)]

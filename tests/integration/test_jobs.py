@@ -1,0 +1,164 @@
+"""Jobs through the real pipeline: reconnects, cancellation, priority, rq info."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+import requests
+
+from tests.integration.conftest import Server
+
+
+def _submit_stream(server: Server, body: dict[str, Any]) -> requests.Response:
+    resp = requests.post(
+        server.base_url + "/v1/completions", json={**body, "stream": True}, stream=True, timeout=60
+    )
+    resp.raise_for_status()
+    return resp
+
+
+def _events(resp: requests.Response, limit: int | None = None) -> list[tuple[int, str]]:
+    """Read SSE events (id, data) until [DONE] or ``limit`` events."""
+    out: list[tuple[int, str]] = []
+    event_id = None
+    for line in resp.iter_lines(decode_unicode=True):
+        if line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("data: "):
+            assert event_id is not None
+            out.append((event_id, line[6:]))
+            if line[6:] == "[DONE]" or (limit is not None and len(out) >= limit):
+                break
+    return out
+
+
+def _text(events: list[tuple[int, str]]) -> str:
+    parts = []
+    for _, data in events:
+        if data != "[DONE]":
+            parts += [c["text"] for c in json.loads(data)["choices"]]
+    return "".join(parts)
+
+
+def _job(server: Server, job_id: str) -> dict[str, Any]:
+    return requests.get(f"{server.base_url}/v1/jobs/{job_id}", timeout=10).json()
+
+
+def _wait(predicate, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+LONG = {"prompt": "A long story", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+
+
+def test_reconnect_with_last_event_id_yields_every_token_once(server: Server) -> None:
+    body = {"prompt": "Reconnect", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    reference = requests.post(server.base_url + "/v1/completions", json=body, timeout=60).json()
+    first = _submit_stream(server, body)
+    job_id = first.headers["X-Job-Id"]
+    part1 = _events(first, limit=25)
+    first.close()
+    seen = part1
+    # Reconnect twice more, each time from the last event id received.
+    for limit in (40, None):
+        resp = requests.get(
+            f"{server.base_url}/v1/jobs/{job_id}/events",
+            headers={"Last-Event-ID": str(seen[-1][0])},
+            stream=True,
+            timeout=60,
+        )
+        seen = seen + _events(resp, limit)
+        resp.close()
+    ids = [i for i, _ in seen]
+    assert ids == list(range(1, len(ids) + 1))
+    assert seen[-1][1] == "[DONE]"
+    assert _text(seen) == reference["choices"][0]["text"]
+
+
+def test_cancel_a_running_job_stops_it(server: Server) -> None:
+    resp = _submit_stream(server, LONG)
+    job_id = resp.headers["X-Job-Id"]
+    _wait(lambda: _job(server, job_id)["tokens"] > 10)
+    cancel = requests.delete(f"{server.base_url}/v1/jobs/{job_id}", timeout=10)
+    assert cancel.status_code == 202
+    events = _events(resp)
+    assert events[-1][1] == "[DONE]"
+    assert json.loads(events[-2][1])["error"]["code"] == "job_cancelled"
+    job = _job(server, job_id)
+    assert job["state"] == "cancelled" and job["tokens"] < 3000
+
+
+def test_cancel_a_queued_job_it_never_runs(server: Server) -> None:
+    long = _submit_stream(server, LONG)
+    long_id = long.headers["X-Job-Id"]
+    _wait(lambda: _job(server, long_id)["state"] == "running")
+    queued = _submit_stream(server, {"prompt": "never", "max_tokens": 5})
+    queued_id = queued.headers["X-Job-Id"]
+    assert _job(server, queued_id)["state"] == "queued"
+    assert requests.delete(f"{server.base_url}/v1/jobs/{queued_id}", timeout=10).json() == {
+        "id": queued_id,
+        "object": "job",
+        "state": "cancelled",
+    }
+    events = _events(queued)
+    assert [d for _, d in events][-1] == "[DONE]"
+    requests.delete(f"{server.base_url}/v1/jobs/{long_id}", timeout=10)
+    _events(long)
+    job = _job(server, queued_id)
+    assert job["state"] == "cancelled" and job["started_at"] is None and job["tokens"] == 0
+
+
+def test_waiting_jobs_run_in_priority_order(server: Server) -> None:
+    long = _submit_stream(server, LONG)
+    long_id = long.headers["X-Job-Id"]
+    _wait(lambda: _job(server, long_id)["state"] == "running")
+    batch = _submit_stream(server, {"prompt": "batch", "max_tokens": 4, "priority": "batch"})
+    inter = _submit_stream(server, {"prompt": "chat", "max_tokens": 4, "priority": "interactive"})
+    batch_id, inter_id = batch.headers["X-Job-Id"], inter.headers["X-Job-Id"]
+    assert _job(server, inter_id)["queue_position"] == 0
+    assert _job(server, batch_id)["queue_position"] == 1
+    requests.delete(f"{server.base_url}/v1/jobs/{long_id}", timeout=10)
+    for resp in (long, batch, inter):
+        _events(resp)
+    b, i = _job(server, batch_id), _job(server, inter_id)
+    assert b["state"] == i["state"] == "finished"
+    assert i["started_at"] < b["started_at"]
+
+
+def test_rq_info_shows_the_jobs_and_the_worker(server: Server) -> None:
+    requests.post(server.base_url + "/v1/completions", json={"prompt": "rq", "max_tokens": 3}, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "rq.cli", "info", "--url", server.redis_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("parkq"))
+    finished = int(line.split(" finished")[0].split(",")[-1])
+    assert finished >= 1
+    assert "1 workers" in out.stdout or "workers, 1 queues" in out.stdout
+
+
+def test_bad_input_against_the_real_tokenizer(server: Server) -> None:
+    resp = requests.post(
+        server.base_url + "/v1/completions",
+        json={"prompt": "word " * 5000, "max_tokens": 10},
+        timeout=30,
+    )
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "4096" in err["message"]
+    resp = requests.post(
+        server.base_url + "/v1/completions", data=b"x" * (2 << 20), timeout=30,
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    assert resp.status_code == 413
+    assert requests.get(server.base_url + "/healthz", timeout=10).status_code == 200
