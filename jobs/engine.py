@@ -159,6 +159,10 @@ class LlamaEngine(Vocab):
     def clear(self, seq: int = 0) -> None:
         llama_cpp.llama_memory_seq_rm(self._memory, seq, -1, -1)
 
+    def truncate(self, pos: int, seq: int = 0) -> None:
+        """Forget positions ``pos`` and later of ``seq``."""
+        llama_cpp.llama_memory_seq_rm(self._memory, seq, pos, -1)
+
     def eval(self, tokens: Sequence[int], pos: int, seq: int = 0) -> np.ndarray:
         """Decode ``tokens`` at positions ``pos...`` of ``seq``; logits of the last one."""
         n = len(tokens)
