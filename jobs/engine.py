@@ -8,6 +8,7 @@ and owns one context that the worker drives one step at a time.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -68,7 +69,9 @@ class Vocab:
         self._piece_cache: dict[int, bytes] = {}
         self._formatter = self._chat_formatter(chat_format)
 
-    def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, *, add_bos: bool | None = None, special: bool = True
+    ) -> list[int]:
         bos = self.add_bos if add_bos is None else add_bos
         with self._lock:
             return [int(t) for t in self.model.tokenize(text.encode(), bos, special)]
@@ -140,9 +143,10 @@ class LlamaEngine(Vocab):
         params.n_ubatch = n_batch
         params.n_seq_max = n_seq_max
         params.swa_full = True
-        if n_threads:
-            params.n_threads = n_threads
-            params.n_threads_batch = n_threads
+        # llama.cpp's default (4 threads) oversubscribes small machines: use the cores.
+        threads = n_threads or len(os.sched_getaffinity(0))
+        params.n_threads = threads
+        params.n_threads_batch = threads
         self.ctx = _internals.LlamaContext(model=self.model, params=params, verbose=False)
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx.ctx))
         self.n_batch = n_batch

@@ -17,7 +17,9 @@ DONE = "[DONE]"
 
 def error_event(message: str, type_: str, code: str) -> str:
     """An OpenAI-style error object, as streamed by OpenAI in an SSE ``data:``."""
-    body: dict[str, Any] = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    body: dict[str, Any] = {
+        "error": {"message": message, "type": type_, "param": None, "code": code}
+    }
     return json.dumps(body, separators=(",", ":"))
 
 

@@ -112,7 +112,9 @@ class Store:
         rank = self.r.zrank(self.keys.queue, job_id)
         return None if rank is None else int(rank)
 
-    def events_after(self, job_id: str, seq: int, count: int | None = None) -> list[tuple[int, str]]:
+    def events_after(
+        self, job_id: str, seq: int, count: int | None = None
+    ) -> list[tuple[int, str]]:
         """Events with sequence numbers above ``seq``, in order."""
         entries = self.r.xrange(self.keys.events(job_id), min=f"({seq}-0", max="+", count=count)
         return [(int(_text(eid).split("-", 1)[0]), _text(f[b"d"])) for eid, f in entries]

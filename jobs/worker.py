@@ -95,7 +95,9 @@ class Worker:
             return
         request = GenerationRequest.from_json(json.loads(record["request"]))
         gen = Generation(job_id, request, self.engine.token_bytes, self.engine.is_eog)
-        log.info("job %s: running on %s (%d prompt tokens)", job_id, self.name, len(request.prompt_ids))
+        log.info(
+            "job %s: running on %s (%d prompt tokens)", job_id, self.name, len(request.prompt_ids)
+        )
         self.rq.started(job_id, int(self.settings.worker_ttl) + 60)
 
         def emit(payloads: list[str], tokens: int) -> int:
@@ -130,10 +132,18 @@ class Worker:
         try:
             self.store.finish(job_id, claim.exec_token, self.name, state, fields, payloads)
         except Fenced:
-            log.warning("job %s: execution %s was superseded; dropping it", job_id, claim.exec_token)
+            log.warning(
+                "job %s: execution %s was superseded; dropping it", job_id, claim.exec_token
+            )
             return
         self.rq.ended(job_id, state.value if state != JobState.CANCELLED else "canceled")
-        log.info("job %s: %s (%s, %d tokens)", job_id, state.value, fields["finish_reason"], len(gen.generated))
+        log.info(
+            "job %s: %s (%s, %d tokens)",
+            job_id,
+            state.value,
+            fields["finish_reason"],
+            len(gen.generated),
+        )
 
     def _fail(self, claim: Claim, message: str, code: str) -> None:
         payloads = [error_event(message, "server_error", code), DONE]

@@ -21,7 +21,7 @@ class Keys:
 
     @property
     def base(self) -> str:
-        return "{%s}" % self.prefix
+        return "{" + self.prefix + "}"
 
     @property
     def queue(self) -> str:

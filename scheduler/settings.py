@@ -46,7 +46,9 @@ class Settings(BaseSettings):
     )
     n_ctx: int = Field(4096, ge=0, description="Context size; 0 means the model's training size.")
     n_batch: int = Field(256, ge=1, description="Prefill chunk size in tokens.")
-    n_threads: int | None = Field(None, ge=1, description="Decode threads; unset: llama.cpp's.")
+    n_threads: int | None = Field(
+        None, ge=1, description="Decode threads; unset: one per available core."
+    )
     cache_dir: str | None = Field(
         None, description="Cache directory for the assembled demo model; default ~/.cache/parkq."
     )

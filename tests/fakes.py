@@ -15,7 +15,9 @@ class FakeVocab:
     n_vocab = N_VOCAB
     n_ctx_train = 256
 
-    def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, *, add_bos: bool | None = None, special: bool = True
+    ) -> list[int]:
         return list(text.encode())
 
     def chat_prompt(

@@ -125,7 +125,9 @@ def _completion_job(req: CompletionRequest) -> GenerationRequest:
         kind="completion",
         model=runtime.model_name,
         prompt_ids=ids,
-        max_tokens=_limit(len(ids), req.token_limit, runtime.settings.completions_default_max_tokens),
+        max_tokens=_limit(
+            len(ids), req.token_limit, runtime.settings.completions_default_max_tokens
+        ),
         sampling=_sampling(req),
         stop=tuple(req.stop or []),
         logprobs=req.logprobs is not None,
@@ -158,9 +160,7 @@ def _stream(job_id: str, after: int) -> Response:
             yield sse.KEEPALIVE if item is None else sse.frame(*item)
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Job-Id": job_id}
-    return Response(
-        stream_with_context(generate()), mimetype="text/event-stream", headers=headers
-    )
+    return Response(stream_with_context(generate()), mimetype="text/event-stream", headers=headers)
 
 
 def _collect(job_id: str) -> list[dict[str, Any]]:
@@ -335,4 +335,3 @@ def cancel_job(job_id: str) -> Any:
         return jsonify({"id": job_id, "object": "job", "state": "cancelling"}), 202
     state = result.removeprefix("ended:")
     raise Conflict(f"Job '{job_id}' has already ended ({state}).", code="job_ended")
-

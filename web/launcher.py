@@ -83,9 +83,7 @@ class Stack:
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         # Own process group: a terminal's Ctrl-C reaches the launcher only, which
         # then stops the children in order (Redis last).
-        proc = subprocess.Popen(
-            argv, env=env, preexec_fn=_die_with_parent, start_new_session=True
-        )
+        proc = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent, start_new_session=True)
         self.children.append((name, proc))
 
     def start(self) -> None:
@@ -143,13 +141,15 @@ class Stack:
                 raise RuntimeError(f"{name} exited with status {proc.returncode}")
 
     def wait_healthy(self, timeout: float = 300.0) -> None:
+        """Wait until /healthz answers and every worker has checked in."""
         deadline = time.monotonic() + timeout
         while True:
             self._check_children()
             try:
-                if requests.get(self.base_url + "/healthz", timeout=2).status_code == 200:
+                resp = requests.get(self.base_url + "/healthz", timeout=2)
+                if resp.status_code == 200 and resp.json()["workers"] >= self.workers:
                     return
-            except requests.RequestException:
+            except (requests.RequestException, ValueError, KeyError):
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("parkq did not become healthy in time")

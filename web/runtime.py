@@ -17,7 +17,9 @@ class VocabLike(Protocol):
     n_vocab: int
     n_ctx_train: int
 
-    def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]: ...
+    def tokenize(
+        self, text: str, *, add_bos: bool | None = None, special: bool = True
+    ) -> list[int]: ...
     def chat_prompt(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> tuple[str, list[str]]: ...

@@ -17,7 +17,6 @@ import requests
 from web.launcher import free_port
 
 
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     for item in items:

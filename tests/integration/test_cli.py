@@ -28,7 +28,9 @@ def test_make_test_model_is_deterministic(tmp_path: Path) -> None:
     digests = []
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
         path = tmp_path / f"{name}.gguf"
-        subprocess.run([*PARKQ, "make-test-model", str(path), "--seed", str(seed)], check=True, timeout=60)
+        subprocess.run(
+            [*PARKQ, "make-test-model", str(path), "--seed", str(seed)], check=True, timeout=60
+        )
         digests.append(hashlib.sha256(path.read_bytes()).hexdigest())
     assert digests[0] == digests[1] != digests[2]
 
@@ -59,7 +61,9 @@ def test_up_with_embedded_redis_stops_every_child_on_sigterm(tiny_model: Path) -
     try:
         health = requests.get(base + "/healthz", timeout=10).json()
         assert health["workers"] == 2 and health["redis"] is True
-        out = requests.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        out = requests.post(
+            base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60
+        )
         assert out.status_code == 200
         kids = _children(proc.pid)
         assert len(kids) == 4  # redis, web, two workers

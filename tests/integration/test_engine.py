@@ -33,7 +33,9 @@ def test_utf8_round_trips_through_the_tokenizer(engine: LlamaEngine) -> None:
     assert b"".join(engine.token_bytes(t) for t in ids).decode().lstrip() == text
 
 
-def test_greedy_decoding_is_reproducible_across_loads(engine: LlamaEngine, tiny_model: Path) -> None:
+def test_greedy_decoding_is_reproducible_across_loads(
+    engine: LlamaEngine, tiny_model: Path
+) -> None:
     prompt = engine.tokenize("The park queue")
     first = _greedy(engine, prompt, 50)
     other = LlamaEngine(str(tiny_model), n_ctx=1024, n_batch=512)

@@ -133,7 +133,9 @@ def test_waiting_jobs_run_in_priority_order(server: Server) -> None:
 
 
 def test_rq_info_shows_the_jobs_and_the_worker(server: Server) -> None:
-    requests.post(server.base_url + "/v1/completions", json={"prompt": "rq", "max_tokens": 3}, timeout=60)
+    requests.post(
+        server.base_url + "/v1/completions", json={"prompt": "rq", "max_tokens": 3}, timeout=60
+    )
     out = subprocess.run(
         [sys.executable, "-m", "rq.cli", "info", "--url", server.redis_url],
         capture_output=True,

@@ -27,7 +27,9 @@ def test_chat_stream(client: openai.OpenAI) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finish in (["length"], ["stop"])
     assert text
     usage = chunks[-1].usage
@@ -37,7 +39,11 @@ def test_chat_stream(client: openai.OpenAI) -> None:
 
 def test_completion_stream(client: openai.OpenAI) -> None:
     stream = client.completions.create(
-        model="tiny", prompt="Once upon a time", max_tokens=16, stream=True, extra_body={"ignore_eos": True}
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=16,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -62,7 +68,12 @@ def test_streamed_text_equals_non_streamed_text_for_the_same_seed(
     chunks = list(client.chat.completions.create(stream=True, **args))  # type: ignore[call-overload]
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == full.choices[0].message.content
-    streamed_lp = [t.logprob for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    streamed_lp = [
+        t.logprob
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
     assert full.choices[0].logprobs is not None
     assert streamed_lp == [t.logprob for t in full.choices[0].logprobs.content]
     assert len(streamed_lp) == 40
@@ -81,7 +92,9 @@ def test_seeded_sampling_differs_across_seeds(client: openai.OpenAI) -> None:
 
 
 def test_completion_logprobs(client: openai.OpenAI) -> None:
-    out = client.completions.create(model="tiny", prompt="hello", max_tokens=8, logprobs=2, temperature=0)
+    out = client.completions.create(
+        model="tiny", prompt="hello", max_tokens=8, logprobs=2, temperature=0
+    )
     lp = out.choices[0].logprobs
     assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
     assert "".join(lp.tokens) == out.choices[0].text

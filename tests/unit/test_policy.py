@@ -1,8 +1,8 @@
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from scheduler.policy import Policy, priority_level
-import pytest
 
 
 def test_named_and_integer_priorities() -> None:
@@ -40,6 +40,4 @@ def test_stored_order_equals_effective_order_at_every_instant(jobs, t1, t2) -> N
     by_score = sorted(range(len(jobs)), key=lambda i: (p.score(*jobs[i]), i))
     for now in (t1, t2):
         by_effective = sorted(range(len(jobs)), key=lambda i: (-p.effective(*jobs[i], now), i))
-        assert [p.score(*jobs[i]) for i in by_score] == [
-            p.score(*jobs[i]) for i in by_effective
-        ]
+        assert [p.score(*jobs[i]) for i in by_score] == [p.score(*jobs[i]) for i in by_effective]

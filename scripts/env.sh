@@ -1,0 +1,31 @@
+# Sourced by scripts/demo and scripts/test: a virtualenv in .venv with parkq installed.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+find_python() {
+  for py in "${PYTHON:-}" python3.13 python3.12 python3.11 python3; do
+    [ -n "$py" ] || continue
+    if command -v "$py" >/dev/null 2>&1 &&
+      "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+      echo "$py"
+      return
+    fi
+  done
+  echo "parkq needs Python 3.11 or newer" >&2
+  exit 1
+}
+
+ensure_venv() {
+  local extras=$1
+  if [ ! -x .venv/bin/python ]; then
+    "$(find_python)" -m venv .venv
+    .venv/bin/python -m pip install --quiet --upgrade pip
+  fi
+  # The first install compiles llama.cpp (llama-cpp-python ships as source): minutes.
+  local stamp=".venv/.parkq-installed-$extras"
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "parkq: installing into .venv (the first time compiles llama.cpp, several minutes)..." >&2
+    .venv/bin/python -m pip install --quiet --editable ".[$extras]"
+    touch "$stamp"
+  fi
+}
