@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 class Server:
     base_url: str
     redis_url: str
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[str]
 
     @property
     def redis(self) -> redis.Redis:
@@ -37,36 +38,42 @@ class Server:
 
 def start_parkq(
     model: Path, redis_url: str | None, *extra: str, env: dict[str, str] | None = None
-) -> tuple[subprocess.Popen[bytes], str]:
+) -> tuple[subprocess.Popen[str], str]:
     port = free_port()
     argv = [sys.executable, "-m", "web.cli", "up", "--model", str(model), "--port", str(port)]
     if redis_url:
         argv += ["--redis-url", redis_url]
     full_env = {**os.environ, "PARKQ_LOG_LEVEL": "WARNING", **(env or {})}
-    proc = subprocess.Popen([*argv, *extra], env=full_env)
-    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([*argv, *extra], env=full_env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    # The contract: one line with the base URL once everything answers.
     deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"parkq up exited with {proc.returncode}")
-        try:
-            if requests.get(base + "/healthz", timeout=2).status_code == 200:
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("parkq is up at "):
+                base = line.split()[4]
+                assert base == f"http://127.0.0.1:{port}"
+                assert requests.get(base + "/healthz", timeout=5).status_code == 200
                 return proc, base
-        except requests.RequestException:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("parkq up did not become healthy")
-        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"parkq up did not come up (exit status {proc.poll()})")
 
 
-def stop_parkq(proc: subprocess.Popen[bytes]) -> None:
+def stop_parkq(proc: subprocess.Popen[str]) -> int:
+    """SIGTERM `parkq up` as Ctrl-C would; return its exit status."""
     proc.terminate()
     try:
-        proc.wait(timeout=30)
+        code = proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
+        code = proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return code
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.integration.conftest import start_parkq
+from tests.integration.conftest import start_parkq, stop_parkq
 
 PARKQ = [sys.executable, "-m", "web.cli"]
 
@@ -68,6 +67,5 @@ def test_up_with_embedded_redis_stops_every_child_on_sigterm(tiny_model: Path) -
         kids = _children(proc.pid)
         assert len(kids) == 4  # redis, web, two workers
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert stop_parkq(proc) == 0
     assert not [k for k in kids if _alive(k)]
