@@ -60,6 +60,21 @@ class ChunkWriter:
             choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": None}
         return self._envelope([choice])
 
+    def tool_call(self, index: int, call_id: str, name: str, arguments: str) -> str:
+        call = {
+            "index": index,
+            "id": call_id,
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        choice = {
+            "index": 0,
+            "delta": {"tool_calls": [call]},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return self._envelope([choice])
+
     def finish(self, reason: str) -> str:
         if self.chat:
             choice: dict[str, Any] = {

@@ -2,11 +2,19 @@
 
 A :class:`Generation` takes sampled tokens and returns the SSE payloads they
 produce. It holds the generated token ids, the UTF-8 decoder, the stop-sequence
-matcher, the logprobs not yet emitted and the counters, as plain data.
+matcher, the tool-call parser, the logprobs not yet emitted and the counters,
+as plain data: :meth:`Generation.state` and :meth:`Generation.restore` carry
+it through a park, to any worker.
+
+Positions: the KV cache holds the first ``n_prefilled`` prompt tokens and then
+every generated token but the last one. The last generated token (the
+*pending* one) has been sampled and streamed but not decoded yet: a parked
+generation decodes it first when it resumes.
 """
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +25,7 @@ from jobs.chunks import ChunkWriter
 from jobs.events import DONE
 from jobs.sampling import SamplingParams, TokenLogprob, logprobs_of, sample
 from jobs.textstream import StopMatcher, Utf8Decoder
+from jobs.toolcalls import ToolCall, ToolCallParser
 
 __all__ = ["Generation", "GenerationRequest"]
 
@@ -35,6 +44,7 @@ class GenerationRequest:
     top_logprobs: int = 0
     ignore_eos: bool = False
     include_usage: bool = False
+    tools: bool = False
     created: int = 0
 
     def to_json(self) -> dict[str, Any]:
@@ -49,6 +59,7 @@ class GenerationRequest:
             "top_logprobs": self.top_logprobs,
             "ignore_eos": self.ignore_eos,
             "include_usage": self.include_usage,
+            "tools": self.tools,
             "created": self.created,
         }
 
@@ -65,6 +76,7 @@ class GenerationRequest:
             top_logprobs=int(d.get("top_logprobs", 0)),
             ignore_eos=bool(d.get("ignore_eos", False)),
             include_usage=bool(d.get("include_usage", False)),
+            tools=bool(d.get("tools", False)),
             created=int(d.get("created", 0)),
         )
 
@@ -76,18 +88,81 @@ class Generation:
     piece: Callable[[int], bytes]
     is_eog: Callable[[int], bool]
     generated: list[int] = field(default_factory=list)
+    n_prefilled: int = 0
     finish_reason: str | None = None
     decoder: Utf8Decoder = field(default_factory=Utf8Decoder)
     stopper: StopMatcher = field(init=False)
+    parser: ToolCallParser = field(default_factory=ToolCallParser)
     held_logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offset: int = 0
     started: bool = False
+    #: Payloads produced so far: the next one has sequence number events + 1.
+    events: int = 0
 
     def __post_init__(self) -> None:
         self.stopper = StopMatcher(self.request.stop)
         self.chunks = ChunkWriter(
             self.request.kind, self.job_id, self.request.model, self.request.created, self.piece
         )
+
+    # -- checkpoint ------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Everything needed to continue this generation elsewhere, as JSON data."""
+        return {
+            "generated": self.generated,
+            "n_prefilled": self.n_prefilled,
+            "decoder": base64.b64encode(self.decoder.pending).decode(),
+            "stop_held": self.stopper.held,
+            "tool": [self.parser.inside, self.parser.held, self.parser.count],
+            "logprobs": [[t.token, t.logprob, [list(x) for x in t.top]] for t in self.held_logprobs],
+            "text_offset": self.text_offset,
+            "started": self.started,
+            "events": self.events,
+        }
+
+    @classmethod
+    def restore(
+        cls,
+        job_id: str,
+        request: GenerationRequest,
+        piece: Callable[[int], bytes],
+        is_eog: Callable[[int], bool],
+        state: dict[str, Any],
+    ) -> Generation:
+        gen = cls(job_id, request, piece, is_eog)
+        gen.generated = [int(t) for t in state["generated"]]
+        gen.n_prefilled = int(state["n_prefilled"])
+        gen.decoder.pending = base64.b64decode(state["decoder"])
+        gen.stopper.held = state["stop_held"]
+        inside, held, count = state["tool"]
+        gen.parser = ToolCallParser(bool(inside), held, int(count))
+        gen.held_logprobs = [
+            TokenLogprob(int(t), float(lp), tuple((int(i), float(v)) for i, v in top))
+            for t, lp, top in state["logprobs"]
+        ]
+        gen.text_offset = int(state["text_offset"])
+        gen.started = bool(state["started"])
+        gen.events = int(state["events"])
+        return gen
+
+    # -- positions ---------------------------------------------------------------
+
+    @property
+    def prefilled(self) -> bool:
+        return self.n_prefilled >= len(self.request.prompt_ids)
+
+    @property
+    def pending(self) -> int | None:
+        """The generated token not yet decoded into the KV cache."""
+        return self.generated[-1] if self.generated and not self.done else None
+
+    @property
+    def n_past(self) -> int:
+        """How many positions the KV cache holds."""
+        return self.n_prefilled + max(0, len(self.generated) - 1)
+
+    # -- tokens in, payloads out ---------------------------------------------------
 
     @property
     def done(self) -> bool:
@@ -109,39 +184,63 @@ class Generation:
         self.started = True
         if self.is_eog(token) and not self.request.ignore_eos:
             self.finish_reason = "stop"
-            return out + self._release(self.stopper.flush() + self.decoder.feed(b"", True))
+            return self._count(out + self._release(self._tail()))
         self.generated.append(token)
         if self.request.logprobs:
             self.held_logprobs.append(logprobs_of(logits, token, self.request.top_logprobs))
         text, stopped = self.stopper.feed(self.decoder.feed(self.piece(token)))
         if stopped:
             self.finish_reason = "stop"
-            return out + self._release(text)
+            return self._count(out + self._release(text, final=True))
         if len(self.generated) >= self.request.max_tokens:
             self.finish_reason = "length"
-            tail = self.decoder.feed(b"", True)
-            text += self.stopper.feed(tail)[0] + self.stopper.flush()
-        return out + self._release(text)
+            text += self.stopper.feed(self.decoder.feed(b"", True))[0] + self.stopper.flush()
+            return self._count(out + self._release(text, final=True))
+        return self._count(out + self._release(text))
 
     def stop_at_context_end(self) -> list[str]:
         """The context is full: end with ``length`` and release what is held."""
         self.finish_reason = "length"
-        return self._release(self.stopper.flush() + self.decoder.feed(b"", True))
+        return self._count(self._release(self._tail()))
 
-    def _release(self, text: str) -> list[str]:
-        if not text and not (self.done and self.held_logprobs):
-            return []
+    def final_payloads(self) -> list[str]:
+        assert self.finish_reason is not None
+        reason = self.finish_reason
+        if reason == "stop" and self.parser.count:
+            reason = "tool_calls"
+        out = [self.chunks.finish(reason)]
+        if self.request.include_usage:
+            out.append(self.chunks.usage(self.usage))
+        out.append(DONE)
+        return self._count(out)
+
+    def _tail(self) -> str:
+        return self.stopper.feed(self.decoder.feed(b"", True))[0] + self.stopper.flush()
+
+    def _count(self, payloads: list[str]) -> list[str]:
+        self.events += len(payloads)
+        return payloads
+
+    def _release(self, text: str, final: bool = False) -> list[str]:
+        final = final or self.done
+        pieces: list[str | ToolCall] = [text] if text else []
+        if self.request.tools:
+            pieces = self.parser.feed(text) + (self.parser.flush() if final else [])
+        out: list[str] = []
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                call_id = f"call_{self.job_id.rsplit('-', 1)[-1][:16]}_{piece.index}"
+                out.append(self.chunks.tool_call(piece.index, call_id, piece.name, piece.arguments))
+            elif piece:
+                out.append(self._delta(piece))
+        if final and self.held_logprobs and not any(not isinstance(p, ToolCall) and p for p in pieces):
+            out.append(self._delta(""))
+        return out
+
+    def _delta(self, text: str) -> str:
         lps = None
         if self.request.logprobs:
             lps, self.held_logprobs = self.held_logprobs, []
         payload = self.chunks.delta(text, lps, self.text_offset)
         self.text_offset += len(text)
-        return [payload]
-
-    def final_payloads(self) -> list[str]:
-        assert self.finish_reason is not None
-        out = [self.chunks.finish(self.finish_reason)]
-        if self.request.include_usage:
-            out.append(self.chunks.usage(self.usage))
-        out.append(DONE)
-        return out
+        return payload

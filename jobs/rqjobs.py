@@ -116,6 +116,19 @@ class RQBridge:
             self.worker.set_state("busy", pipeline=p)
             p.execute()
 
+    def requeued(self, job_id: str) -> None:
+        """The job waits again (parked, or its worker died)."""
+        job = self.fetch(job_id)
+        if job is None:
+            return
+        with self.r.pipeline() as p:
+            self._end_execution(job, p)
+            job.set_status(JobStatus.QUEUED, pipeline=p)
+            p.rpush(self.queue.key, job_id)
+            if self.worker is not None:
+                self.worker.set_state("idle", pipeline=p)
+            p.execute()
+
     def ended(self, job_id: str, status: str, error: str = "") -> None:
         job = self.fetch(job_id)
         if job is None:

@@ -1,8 +1,13 @@
 """Drive one generation on the engine: chunked prefill, then one token per step.
 
-``emit(payloads, tokens)`` writes a step's events and returns the job's
-control flags; the runner checks them between prefill chunks and between
-decode steps, which is where a running job can be stopped.
+``emit(payloads)`` writes a step's events and returns the job's control flags;
+the runner checks them between prefill chunks and between decode steps, which
+is where a running job can be cancelled or parked.
+
+A generation starts fresh, resumes from a KV checkpoint (its positions are
+restored, the pending token decoded), or replays: the same engine calls as
+the original run (prompt chunks, then one generated token at a time), so the
+KV and the logits are bit-identical and the generation continues exactly.
 """
 
 from __future__ import annotations
@@ -18,26 +23,65 @@ __all__ = ["CANCEL", "PREEMPT", "Outcome", "drive"]
 CANCEL = 1
 PREEMPT = 2
 
-Emit = Callable[[list[str], int], int]
+Emit = Callable[[list[str]], int]
 
 
 @dataclass(frozen=True)
 class Outcome:
-    state: str  # "finished" or "cancelled"
+    state: str  # "finished", "cancelled" or "parked"
     payloads: list[str]
 
 
-def drive(engine: Engine, gen: Generation, emit: Emit, n_batch: int) -> Outcome:
+def _replay(engine: Engine, gen: Generation, n_batch: int, emit: Emit) -> bool:
+    """Rebuild the KV of a generation without a checkpoint. False if cancelled."""
+    ids = gen.request.prompt_ids
+    for start in range(0, gen.n_prefilled, n_batch):
+        engine.eval(ids[start : min(start + n_batch, gen.n_prefilled)], start)
+    pos = gen.n_prefilled
+    for i, token in enumerate(gen.generated[:-1] if gen.pending is not None else []):
+        engine.eval([token], pos)
+        pos += 1
+        if i % n_batch == n_batch - 1 and emit([]) & CANCEL:
+            return False
+    return True
+
+
+def drive(
+    engine: Engine,
+    gen: Generation,
+    emit: Emit,
+    n_batch: int,
+    kv: bytes | None = None,
+    resume: bool = False,
+) -> Outcome:
+    """Run ``gen`` until it finishes, is cancelled or is asked to park.
+
+    ``kv`` restores a checkpoint of ``gen.n_past`` positions; with ``resume``
+    and no ``kv`` the positions are replayed first.
+    """
     ids = gen.request.prompt_ids
     engine.clear(0)
-    pos = 0
+    if kv is not None:
+        engine.load_seq(kv)
+    elif resume and not _replay(engine, gen, n_batch, emit):
+        return Outcome("cancelled", [])
     logits = None
-    for start in range(0, len(ids), n_batch):
+    while not gen.prefilled:
+        start = gen.n_prefilled
         chunk = ids[start : start + n_batch]
-        logits = engine.eval(chunk, pos)
-        pos += len(chunk)
-        if pos < len(ids) and emit([], 0) & CANCEL:
-            return Outcome("cancelled", [])
+        logits = engine.eval(chunk, start)
+        gen.n_prefilled = start + len(chunk)
+        if not gen.prefilled:
+            flags = emit([])
+            if flags & CANCEL:
+                return Outcome("cancelled", [])
+            if flags & PREEMPT:
+                return Outcome("parked", [])
+    pos = gen.n_past
+    pending = gen.pending
+    if pending is not None:
+        logits = engine.eval([pending], pos)
+        pos += 1
     assert logits is not None, "empty prompt"
     while True:
         if pos >= engine.n_ctx:
@@ -47,8 +91,11 @@ def drive(engine: Engine, gen: Generation, emit: Emit, n_batch: int) -> Outcome:
         payloads = gen.accept(token, logits)
         if gen.done:
             break
-        if emit(payloads, len(gen.generated)) & CANCEL:
+        flags = emit(payloads)
+        if flags & CANCEL:
             return Outcome("cancelled", [])
+        if flags & PREEMPT:
+            return Outcome("parked", [])
         logits = engine.eval([token], pos)
         pos += 1
     return Outcome("finished", payloads + gen.final_payloads())

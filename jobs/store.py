@@ -1,14 +1,14 @@
-"""The Redis side of scheduling: enqueue, claim, per-step writes, finish, cancel.
+"""The Redis side of scheduling: enqueue, claim, per-step writes, park, finish,
+cancel, preempt flags and the reaper.
 
 Every multi-key change is one Lua script (``scheduler/lua``), so a job is never
-half enqueued, half claimed or half cancelled. Key names come from
-:class:`scheduler.keys.Keys` only.
+half enqueued, half claimed, half parked or half cancelled. Key names come
+from :class:`scheduler.keys.Keys` only.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -18,10 +18,14 @@ import redis
 from jobs.events import DONE, error_event
 from scheduler.keys import Keys
 from scheduler.policy import Policy
+from scheduler.preempt import PreemptPolicy, Runner, choose_victim
 from scheduler.settings import Settings
 from scheduler.state import JobState, sources
 
-__all__ = ["Claim", "Fenced", "Store"]
+__all__ = ["CANCEL_EVENTS", "Claim", "Fenced", "Reaped", "Step", "Store"]
+
+#: What a cancelled job's stream ends with.
+CANCEL_EVENTS = [error_event("The job was cancelled.", "cancelled", "job_cancelled"), DONE]
 
 
 def _script(name: str) -> str:
@@ -30,6 +34,10 @@ def _script(name: str) -> str:
 
 def _states(*states: JobState) -> str:
     return ",".join(s.value for s in states)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class Fenced(Exception):
@@ -43,6 +51,20 @@ class Claim:
     previous_state: JobState
 
 
+@dataclass(frozen=True)
+class Step:
+    flags: int
+    #: Ordering key of the best waiting job (higher runs first), if any.
+    head_key: float | None
+
+
+@dataclass(frozen=True)
+class Reaped:
+    worker: str
+    job_id: str
+    outcome: str  # "requeued", "failed" or "" (the worker held no job)
+
+
 class Store:
     """parkq's job records in Redis, for the web process and the workers."""
 
@@ -50,12 +72,16 @@ class Store:
         self.r = client
         self.keys: Keys = settings.keys
         self.policy: Policy = settings.policy
+        self.preempt_policy: PreemptPolicy = settings.preempt_policy
+        self.settings = settings
         self.result_ttl = settings.result_ttl
-        self._enqueue = client.register_script(_script("enqueue"))
-        self._claim = client.register_script(_script("claim"))
-        self._step = client.register_script(_script("step"))
-        self._finish = client.register_script(_script("finish"))
-        self._cancel = client.register_script(_script("cancel"))
+        self._scripts = {
+            name: client.register_script(_script(name))
+            for name in ("enqueue", "claim", "step", "finish", "park", "cancel", "flag", "reap")
+        }
+
+    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        return self._scripts[name](keys=keys, args=args)
 
     # -- web side ---------------------------------------------------------
 
@@ -63,11 +89,13 @@ class Store:
         self, job_id: str, kind: str, request: dict[str, Any], level: int, now: float
     ) -> bool:
         """Store a new job and make it wait; False if the id is taken."""
+        score = self.policy.score(level, now)
         fields: dict[str, str] = {
             "id": job_id,
             "kind": kind,
             "request": json.dumps(request, separators=(",", ":")),
             "priority": str(level),
+            "score": repr(score),
             "state": JobState.QUEUED.value,
             "created_at": repr(now),
             "enqueued_at": repr(now),
@@ -78,26 +106,26 @@ class Store:
         }
         flat = [x for kv in fields.items() for x in kv]
         k = self.keys
-        done = self._enqueue(
-            keys=[k.job(job_id), k.queue, k.wake, k.jobs],
-            args=[job_id, repr(self.policy.score(level, now)), repr(now), *flat],
+        done = self._run(
+            "enqueue", [k.job(job_id), k.queue, k.wake, k.jobs], [job_id, repr(score), repr(now), *flat]
         )
         return bool(done)
 
     def cancel(self, job_id: str, now: float) -> str | None:
-        """Cancel a job. Returns None if unknown, else what happened."""
+        """Cancel a job. None if unknown; 'cancelled' (ended here), 'cancelling'
+        (its worker stops it within a step) or 'ended:<state>'."""
         k = self.keys
-        payloads = [error_event("The job was cancelled.", "cancelled", "job_cancelled"), DONE]
-        result = self._cancel(
-            keys=[k.job(job_id), k.queue, k.events(job_id)],
-            args=[
+        result = self._run(
+            "cancel",
+            [k.job(job_id), k.queue, k.events(job_id)],
+            [
                 job_id,
                 k.channel(job_id),
                 repr(now),
                 self.result_ttl,
                 _states(JobState.QUEUED, JobState.PARKED),
                 _states(JobState.RUNNING, JobState.PARKING),
-                *payloads,
+                *CANCEL_EVENTS,
             ],
         )
         return None if result is None else _text(result)
@@ -112,15 +140,55 @@ class Store:
         rank = self.r.zrank(self.keys.queue, job_id)
         return None if rank is None else int(rank)
 
-    def events_after(
-        self, job_id: str, seq: int, count: int | None = None
-    ) -> list[tuple[int, str]]:
+    def events_after(self, job_id: str, seq: int, count: int | None = None) -> list[tuple[int, str]]:
         """Events with sequence numbers above ``seq``, in order."""
         entries = self.r.xrange(self.keys.events(job_id), min=f"({seq}-0", max="+", count=count)
         return [(int(_text(eid).split("-", 1)[0]), _text(f[b"d"])) for eid, f in entries]
 
     def workers_alive(self, now: float) -> list[str]:
         return [_text(n) for n in self.r.zrangebyscore(self.keys.workers, now, "+inf")]
+
+    # -- preemption -------------------------------------------------------
+
+    def runners(self, now: float) -> tuple[list[Runner], int, list[str]]:
+        """Live runners, the number of idle live workers, and their exec tokens."""
+        k = self.keys
+        with self.r.pipeline(transaction=False) as p:
+            p.zrangebyscore(k.workers, now, "+inf")
+            p.zrange(k.running, 0, -1)
+            alive_raw, running_raw = p.execute()
+        alive = {_text(w) for w in alive_raw}
+        busy = [_text(w) for w in running_raw if _text(w) in alive]
+        with self.r.pipeline(transaction=False) as p:
+            for w in busy:
+                p.hmget(k.worker(w), "job", "exec", "since", "key")
+            rows = p.execute()
+        runners, tokens = [], []
+        for w, (job, exec_, since, key) in zip(busy, rows, strict=True):
+            if job is None or since is None or key is None:
+                continue
+            runners.append(Runner(w, _text(job), float(key), float(since)))
+            tokens.append(_text(exec_))
+        return runners, len(alive) - len(busy), tokens
+
+    def maybe_preempt(self, now: float) -> str | None:
+        """Flag the worker whose job the best waiting job should interrupt.
+
+        Returns the flagged worker's name, or None. The flag is set only if
+        that worker still runs the same execution (compare-and-set in Lua).
+        """
+        head = self.r.zrange(self.keys.queue, 0, 0, withscores=True)
+        if not head:
+            return None
+        waiting_key = -float(head[0][1])
+        runners, idle, tokens = self.runners(now)
+        victim = choose_victim(self.preempt_policy, waiting_key, runners, idle, now)
+        if victim is None:
+            return None
+        token = tokens[runners.index(victim)]
+        if self._run("flag", [self.keys.worker(victim.worker)], [victim.job_id, token]):
+            return victim.worker
+        return None
 
     # -- worker side ------------------------------------------------------
 
@@ -130,22 +198,26 @@ class Store:
     def remove_worker(self, worker: str) -> None:
         with self.r.pipeline() as p:
             p.zrem(self.keys.workers, worker)
+            p.zrem(self.keys.running, worker)
             p.delete(self.keys.worker(worker))
             p.execute()
 
     def wait_for_work(self, timeout: float) -> None:
-        """Block until a job is enqueued or ``timeout`` passes."""
+        """Block until a job is enqueued or parked, or ``timeout`` passes."""
         self.r.blpop([self.keys.wake], timeout=timeout)
 
     def claim(self, worker: str, now: float) -> Claim | None:
         k = self.keys
-        got = self._claim(
-            keys=[k.queue, k.worker(worker)],
-            args=[
+        got = self._run(
+            "claim",
+            [k.queue, k.worker(worker), k.running, k.workers],
+            [
                 k.job_prefix,
                 worker,
                 repr(now),
                 _states(*sources(JobState.RUNNING)),
+                self.settings.affinity_seconds,
+                16,
             ],
         )
         if not got:
@@ -154,19 +226,25 @@ class Store:
         return Claim(job_id, token, JobState(previous))
 
     def step(
-        self, job_id: str, exec_token: str, worker: str, tokens: int, payloads: list[str]
-    ) -> int:
-        """Write one step's events; return the control flags (1 cancel, 2 preempt)."""
+        self,
+        job_id: str,
+        exec_token: str,
+        worker: str,
+        tokens: int,
+        first_seq: int,
+        payloads: list[str],
+    ) -> Step:
+        """Write one step's events (numbered from ``first_seq``); read the flags."""
         k = self.keys
-        flags = int(
-            self._step(
-                keys=[k.job(job_id), k.events(job_id), k.worker(worker)],
-                args=[exec_token, k.channel(job_id), tokens, *payloads],
-            )
+        got = self._run(
+            "step",
+            [k.job(job_id), k.events(job_id), k.worker(worker), k.queue],
+            [exec_token, k.channel(job_id), tokens, first_seq, *payloads],
         )
-        if flags < 0:
+        if got == -1:
             raise Fenced(job_id)
-        return flags
+        flags, head = got
+        return Step(int(flags), None if head is None else -float(head))
 
     def finish(
         self,
@@ -175,22 +253,26 @@ class Store:
         worker: str,
         state: JobState,
         fields: dict[str, str],
+        first_seq: int,
         payloads: list[str],
-        now: float | None = None,
+        now: float,
     ) -> None:
         """Move a job to a terminal state with its last events."""
         k = self.keys
         flat = [x for kv in fields.items() for x in kv]
         result = int(
-            self._finish(
-                keys=[k.job(job_id), k.events(job_id), k.worker(worker)],
-                args=[
+            self._run(
+                "finish",
+                [k.job(job_id), k.events(job_id), k.worker(worker), k.running],
+                [
                     exec_token,
                     k.channel(job_id),
                     state.value,
                     _states(*sources(state)),
-                    repr(time.time() if now is None else now),
+                    repr(now),
                     self.result_ttl,
+                    worker,
+                    first_seq,
                     len(fields),
                     *flat,
                     *payloads,
@@ -200,6 +282,48 @@ class Store:
         if result == -1:
             raise Fenced(job_id)
 
+    def park(self, job_id: str, exec_token: str, worker: str, checkpoint: str, now: float) -> str:
+        """Requeue a running job with its checkpoint; 'parked' or 'cancelled'."""
+        k = self.keys
+        result = self._run(
+            "park",
+            [k.job(job_id), k.queue, k.worker(worker), k.running, k.wake, k.events(job_id)],
+            [exec_token, repr(now), checkpoint, worker, k.channel(job_id), self.result_ttl]
+            + CANCEL_EVENTS,
+        )
+        if result == -1:
+            raise Fenced(job_id)
+        return _text(result)
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    def reap(self, now: float) -> list[Reaped]:
+        """Requeue the jobs of workers whose heartbeat expired."""
+        k = self.keys
+        payloads = [
+            error_event(
+                "The job failed: its worker died too many times.", "server_error", "worker_lost"
+            ),
+            DONE,
+        ]
+        flat = self._run(
+            "reap",
+            [k.workers, k.queue, k.running, k.wake],
+            [
+                repr(now),
+                k.job_prefix,
+                k.worker_prefix,
+                k.events_prefix,
+                k.channel_prefix,
+                self.settings.crash_limit,
+                self.result_ttl,
+                *payloads,
+            ],
+        )
+        items = [_text(x) for x in flat]
+        return [Reaped(*items[i : i + 3]) for i in range(0, len(items), 3)]
+
+    def job_states(self, job_ids: list[str]) -> dict[str, str | None]:
+        with self.r.pipeline(transaction=False) as p:
+            for job_id in job_ids:
+                p.hget(self.keys.job(job_id), "state")
+            states = p.execute()
+        return {j: None if s is None else _text(s) for j, s in zip(job_ids, states, strict=True)}

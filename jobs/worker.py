@@ -1,8 +1,10 @@
 """The worker process: claim the best job, run it on the engine, repeat.
 
 One process per GPU, no fork (llama.cpp's thread pool does not survive one),
-the model loaded once. Liveness is a heartbeat in Redis (parkq's and RQ's),
-kept up while a job generates.
+the model loaded once. The loop is: beat and reap, claim, run until the job
+finishes, is cancelled or is parked; a parked job's KV goes to the RAM
+checkpoint store and its generation state to Redis, so it resumes here
+without a copy of the prompt, or anywhere by replay.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ import time
 
 import redis
 
+from jobs.checkpoints import Checkpoint, CheckpointStore
 from jobs.engine import Engine, EngineError
 from jobs.events import DONE, error_event
 from jobs.generation import Generation, GenerationRequest
 from jobs.rqjobs import RQBridge
-from jobs.runner import Outcome, drive
-from jobs.store import Claim, Fenced, Store
+from jobs.runner import PREEMPT, Outcome, drive
+from jobs.store import CANCEL_EVENTS, Claim, Fenced, Store
 from scheduler.settings import Settings
-from scheduler.state import JobState
+from scheduler.state import TERMINAL, JobState
 
 __all__ = ["Worker", "default_worker_name"]
 
@@ -47,6 +50,7 @@ class Worker:
         self.store = Store(client, settings)
         self.rq = RQBridge(client, settings.queue_name, settings.result_ttl)
         self.name = name or settings.worker_name or default_worker_name()
+        self.checkpoints = CheckpointStore(settings.checkpoint_bytes)
         self.stopping = threading.Event()
         self._next_beat = 0.0
 
@@ -55,6 +59,7 @@ class Worker:
     def run(self) -> None:
         """Work until :meth:`stop` is called."""
         self.rq.register_worker(self.name)
+        self.beat()
         log.info("worker %s ready (n_ctx=%d)", self.name, self.engine.n_ctx)
         try:
             while not self.stopping.is_set():
@@ -76,11 +81,27 @@ class Worker:
         self.stopping.set()
 
     def beat(self, force: bool = True) -> None:
+        """Heartbeat; requeue dead workers' jobs; free checkpoints of ended jobs."""
         now = time.time()
-        if force or now >= self._next_beat:
-            self._next_beat = now + self.settings.heartbeat_seconds
-            self.store.heartbeat(self.name, now, self.settings.worker_ttl)
-            self.rq.heartbeat(int(self.settings.worker_ttl) + 60)
+        if not force and now < self._next_beat:
+            return
+        self._next_beat = now + self.settings.heartbeat_seconds
+        self.store.heartbeat(self.name, now, self.settings.worker_ttl)
+        self.rq.heartbeat(int(self.settings.worker_ttl) + 60)
+        for reaped in self.store.reap(now):
+            if reaped.job_id:
+                log.warning(
+                    "job %s: worker %s died; job %s", reaped.job_id, reaped.worker, reaped.outcome
+                )
+                self.rq.requeued(reaped.job_id) if reaped.outcome == "requeued" else self.rq.ended(
+                    reaped.job_id, "failed", error="worker lost"
+                )
+        held = self.checkpoints.job_ids()
+        if held:
+            for job_id, state in self.store.job_states(held).items():
+                if state is None or JobState(state) in TERMINAL:
+                    self.checkpoints.drop(job_id)
+                    log.info("job %s: ended while parked; checkpoint freed", job_id)
 
     # -- one job ----------------------------------------------------------
 
@@ -94,18 +115,48 @@ class Worker:
             self._fail(claim, "refused: not a parkq job", "invalid_job")
             return
         request = GenerationRequest.from_json(json.loads(record["request"]))
-        gen = Generation(job_id, request, self.engine.token_bytes, self.engine.is_eog)
+        saved = record.get("checkpoint")
+        resume = saved is not None or int(record.get("seq", "0")) > 0
+        if saved is not None:
+            gen = Generation.restore(
+                job_id, request, self.engine.token_bytes, self.engine.is_eog, json.loads(saved)
+            )
+        else:
+            gen = Generation(job_id, request, self.engine.token_bytes, self.engine.is_eog)
+        kv = self._checkpoint_for(job_id, record, gen)
         log.info(
-            "job %s: running on %s (%d prompt tokens)", job_id, self.name, len(request.prompt_ids)
+            "job %s: %s on %s (%d prompt tokens, %d generated, %s)",
+            job_id,
+            "resuming" if resume else "running",
+            self.name,
+            len(request.prompt_ids),
+            len(gen.generated),
+            "from its checkpoint" if kv is not None else "replaying" if resume else "fresh",
         )
         self.rq.started(job_id, int(self.settings.worker_ttl) + 60)
+        since = time.time()
+        my_key = -float(record["score"])
+        last_check: dict[str, float | None] = {"head": None, "at": 0.0}
 
-        def emit(payloads: list[str], tokens: int) -> int:
+        def emit(payloads: list[str]) -> int:
             self.beat(force=False)
-            return self.store.step(job_id, token, self.name, tokens, payloads)
+            first = gen.events - len(payloads) + 1
+            step = self.store.step(job_id, token, self.name, len(gen.generated), first, payloads)
+            if not self.settings.preempt:
+                return step.flags & ~PREEMPT
+            if step.flags == 0 and step.head_key is not None:
+                self._check_preempt(step.head_key, my_key, since, last_check)
+            return step.flags
 
         try:
-            outcome = drive(self.engine, gen, emit, self.settings.n_batch)
+            outcome = drive(
+                self.engine,
+                gen,
+                emit,
+                self.settings.n_batch,
+                kv=kv,
+                resume=resume,
+            )
         except Fenced:
             log.warning("job %s: execution %s was superseded; dropping it", job_id, token)
             return
@@ -113,12 +164,66 @@ class Worker:
             log.exception("job %s: engine error", job_id)
             self._fail(claim, f"engine error: {exc}", "engine_error")
             return
-        self._end(claim, gen, outcome)
+        if outcome.state == "parked":
+            self._park(claim, gen)
+        else:
+            self._end(claim, gen, outcome)
+
+    def _checkpoint_for(self, job_id: str, record: dict[str, str], gen: Generation) -> bytes | None:
+        checkpoint = self.checkpoints.take(job_id)
+        if checkpoint is None:
+            return None
+        if checkpoint.exec_token != record.get("ckpt_exec") or checkpoint.n_past != gen.n_past:
+            log.warning("job %s: stale checkpoint discarded", job_id)
+            return None
+        return checkpoint.kv
+
+    def _check_preempt(
+        self, head_key: float, my_key: float, since: float, last: dict[str, float | None]
+    ) -> None:
+        """A better job waits: once this runner is preemptible, pick the victim.
+
+        The enqueuer flags a victim at once when one is ripe; this covers the
+        winner that arrived while every runner was still in its minimum run
+        time. Throttled to when the head changes or every 100 ms.
+        """
+        policy = self.store.preempt_policy
+        now = time.time()
+        if not policy.beats(head_key, my_key) or not policy.ripe(since, now):
+            return
+        at = last["at"] or 0.0
+        if last["head"] == head_key and now - at < 0.1:
+            return
+        last["head"], last["at"] = head_key, now
+        self.store.maybe_preempt(now)
+
+    def _park(self, claim: Claim, gen: Generation) -> None:
+        job_id = claim.job_id
+        t0 = time.perf_counter()
+        kv = self.engine.save_seq(0)
+        state = json.dumps(gen.state(), separators=(",", ":"))
+        try:
+            outcome = self.store.park(job_id, claim.exec_token, self.name, state, time.time())
+        except Fenced:
+            return
+        if outcome == "parked":
+            self.checkpoints.put(job_id, Checkpoint(claim.exec_token, gen.n_past, kv))
+            self.rq.requeued(job_id)
+            log.info(
+                "job %s: parked after %d tokens (%d KV bytes, %.1f ms)",
+                job_id,
+                len(gen.generated),
+                len(kv),
+                (time.perf_counter() - t0) * 1000,
+            )
+        else:
+            self.rq.ended(job_id, "canceled")
+            log.info("job %s: cancelled while parking", job_id)
 
     def _end(self, claim: Claim, gen: Generation, outcome: Outcome) -> None:
         job_id = claim.job_id
         if outcome.state == "cancelled":
-            payloads = [error_event("The job was cancelled.", "cancelled", "job_cancelled"), DONE]
+            payloads = list(CANCEL_EVENTS)
             fields = {"finish_reason": "cancelled", "tokens": str(len(gen.generated))}
             state = JobState.CANCELLED
         else:
@@ -129,20 +234,18 @@ class Worker:
             }
             payloads = outcome.payloads
             state = JobState.FINISHED
+        # Cancel events are appended after whatever the stream holds (first = 0).
+        first = gen.events - len(payloads) + 1 if state is JobState.FINISHED else 0
         try:
-            self.store.finish(job_id, claim.exec_token, self.name, state, fields, payloads)
-        except Fenced:
-            log.warning(
-                "job %s: execution %s was superseded; dropping it", job_id, claim.exec_token
+            self.store.finish(
+                job_id, claim.exec_token, self.name, state, fields, first, payloads, time.time()
             )
+        except Fenced:
+            log.warning("job %s: execution %s was superseded; dropping it", job_id, claim.exec_token)
             return
-        self.rq.ended(job_id, state.value if state != JobState.CANCELLED else "canceled")
+        self.rq.ended(job_id, "finished" if state is JobState.FINISHED else "canceled")
         log.info(
-            "job %s: %s (%s, %d tokens)",
-            job_id,
-            state.value,
-            fields["finish_reason"],
-            len(gen.generated),
+            "job %s: %s (%s, %d tokens)", job_id, state.value, fields["finish_reason"], len(gen.generated)
         )
 
     def _fail(self, claim: Claim, message: str, code: str) -> None:
@@ -154,7 +257,9 @@ class Worker:
                 self.name,
                 JobState.FAILED,
                 {"error": message},
+                0,
                 payloads,
+                time.time(),
             )
         except Fenced:
             return

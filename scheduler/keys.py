@@ -39,6 +39,23 @@ class Keys:
         return f"{self.base}:workers"
 
     @property
+    def running(self) -> str:
+        """Sorted set of busy worker names scored by their running job's key."""
+        return f"{self.base}:running"
+
+    @property
+    def worker_prefix(self) -> str:
+        return f"{self.base}:worker:"
+
+    @property
+    def events_prefix(self) -> str:
+        return f"{self.base}:events:"
+
+    @property
+    def channel_prefix(self) -> str:
+        return f"{self.base}:live:"
+
+    @property
     def jobs(self) -> str:
         """Sorted set of every known job id scored by creation time."""
         return f"{self.base}:jobs"
@@ -53,12 +70,12 @@ class Keys:
 
     def events(self, job_id: str) -> str:
         """Stream of one job's SSE events; entry ids are ``<seq>-0``."""
-        return f"{self.base}:events:{job_id}"
+        return f"{self.events_prefix}{job_id}"
 
     def channel(self, job_id: str) -> str:
         """Pub/sub channel announcing one job's new events live."""
-        return f"{self.base}:live:{job_id}"
+        return f"{self.channel_prefix}{job_id}"
 
     def worker(self, name: str) -> str:
-        """Hash of one worker: its current job and execution token."""
-        return f"{self.base}:worker:{name}"
+        """Hash of one worker: its job, execution token, since, key, preempt flag."""
+        return f"{self.worker_prefix}{name}"

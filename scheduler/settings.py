@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.keys import Keys
 from scheduler.policy import Policy
+from scheduler.preempt import PreemptPolicy
 
 __all__ = ["Settings", "load_settings"]
 
@@ -80,6 +81,30 @@ class Settings(BaseSettings):
         60.0, gt=0, description="Seconds of waiting one priority level is worth."
     )
     aging_rate: float = Field(1.0, gt=0, description="Priority gained per second of waiting.")
+    preempt: bool = Field(
+        True, description="Park a running job for a better waiting one (off: priority order only)."
+    )
+    preempt_margin: float = Field(
+        1.0,
+        ge=0,
+        description="A waiting job preempts only if its key beats the runner's by this much "
+        "(in seconds of waiting).",
+    )
+    min_run_seconds: float = Field(
+        0.25, ge=0, description="A job keeps the engine at least this long after it (re)starts."
+    )
+    affinity_seconds: float = Field(
+        2.0,
+        ge=0,
+        description="A parked job waits this long for the worker holding its checkpoint "
+        "before any idle worker may take it (re-prefill).",
+    )
+    checkpoint_bytes: int = Field(
+        2 << 30, ge=0, description="RAM budget of a worker's KV checkpoints (LRU beyond it)."
+    )
+    crash_limit: int = Field(
+        3, ge=1, description="A job whose worker died this many times fails instead of looping."
+    )
 
     # Logging
     log_level: str = Field("INFO", description="Python logging level.")
@@ -92,6 +117,10 @@ class Settings(BaseSettings):
     @property
     def policy(self) -> Policy:
         return Policy(level_seconds=self.priority_level_seconds, aging_rate=self.aging_rate)
+
+    @property
+    def preempt_policy(self) -> PreemptPolicy:
+        return PreemptPolicy(margin=self.preempt_margin, min_run_seconds=self.min_run_seconds)
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +52,12 @@ class FakeEngine(FakeVocab):
 
     def clear(self, seq: int = 0) -> None:
         self.context = []
+
+    def save_seq(self, seq: int = 0) -> bytes:
+        return bytes(json.dumps(self.context), "ascii")
+
+    def load_seq(self, data: bytes, seq: int = 0) -> None:
+        self.context = json.loads(data)
 
     def eval(self, tokens: Sequence[int], pos: int, seq: int = 0) -> np.ndarray:
         assert pos == len(self.context), "positions must continue the context"

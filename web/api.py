@@ -105,6 +105,7 @@ def _chat_job(req: ChatRequest) -> GenerationRequest:
         top_logprobs=top,
         ignore_eos=req.ignore_eos,
         include_usage=req.include_usage,
+        tools=bool(req.tools),
         created=int(time.time()),
     )
 
@@ -144,6 +145,10 @@ def _submit(prefix: str, gen: GenerationRequest, level: int) -> str:
     runtime.rq.create(job_id, f"{gen.kind} {len(gen.prompt_ids)}+{gen.max_tokens} tokens")
     runtime.store.enqueue(job_id, gen.kind, gen.to_json(), level, time.time())
     current_app.logger.info("job %s: queued (priority %d)", job_id, level)
+    if runtime.settings.preempt:
+        victim = runtime.store.maybe_preempt(time.time())
+        if victim is not None:
+            current_app.logger.info("job %s: preempting worker %s", job_id, victim)
     return job_id
 
 
@@ -187,6 +192,7 @@ def _aggregate(job_id: str, gen: GenerationRequest) -> dict[str, Any]:
     finish = None
     text: list[str] = []
     chat_lp: list[Any] = []
+    tool_calls: list[Any] = []
     cmpl_lp: dict[str, list[Any]] = {
         "tokens": [],
         "token_logprobs": [],
@@ -199,6 +205,7 @@ def _aggregate(job_id: str, gen: GenerationRequest) -> dict[str, Any]:
             lp = choice.get("logprobs")
             if gen.kind == "chat":
                 text.append(choice["delta"].get("content") or "")
+                tool_calls.extend(choice["delta"].get("tool_calls") or [])
                 if lp:
                     chat_lp.extend(lp["content"])
             else:
@@ -208,7 +215,11 @@ def _aggregate(job_id: str, gen: GenerationRequest) -> dict[str, Any]:
                         values.extend(lp[key])
     base = {"id": job_id, "created": gen.created, "model": gen.model, "usage": usage}
     if gen.kind == "chat":
-        message = {"role": "assistant", "content": "".join(text)}
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+        if tool_calls:
+            message["tool_calls"] = [
+                {k: v for k, v in call.items() if k != "index"} for call in tool_calls
+            ]
         logprobs = {"content": chat_lp} if gen.logprobs else None
         choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
         return {**base, "object": "chat.completion", "choices": [choice]}

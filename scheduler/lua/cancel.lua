@@ -20,6 +20,7 @@ if now_states[state] then
   end
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_at', ARGV[3],
              'finish_reason', 'cancelled')
+  redis.call('HDEL', KEYS[1], 'checkpoint')
   redis.call('EXPIRE', KEYS[1], ARGV[4])
   redis.call('EXPIRE', KEYS[3], ARGV[4])
   return 'cancelled'

@@ -1,24 +1,41 @@
 -- Claim the best waiting job for a worker.
--- KEYS: queue zset, worker hash
--- ARGV: job key prefix, worker name, now, claimable states (comma separated)
--- Returns {id, execution token, previous state} or false when nothing waits.
+-- KEYS: queue zset, worker hash, running zset, workers zset
+-- ARGV: job key prefix, worker name, now, claimable states (comma separated),
+--       affinity seconds, how many queue entries to consider
+-- A parked job whose checkpoint lives on another live worker is left to that
+-- worker for `affinity seconds` after it was parked; then anyone may take it.
+-- Returns {id, execution token, previous state} or false when nothing fits.
 local claimable = {}
 for s in string.gmatch(ARGV[4], '[^,]+') do claimable[s] = true end
-while true do
-  local top = redis.call('ZRANGE', KEYS[1], 0, 0)
-  if #top == 0 then
-    return false
-  end
-  local id = top[1]
-  redis.call('ZREM', KEYS[1], id)
+local now = tonumber(ARGV[3])
+local affinity = tonumber(ARGV[5])
+local top = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[6]) - 1)
+for _, id in ipairs(top) do
   local job = ARGV[1] .. id
   local state = redis.call('HGET', job, 'state')
-  if state and claimable[state] then
-    local exec = redis.call('HINCRBY', job, 'exec', 1)
-    redis.call('HSET', job, 'state', 'running', 'worker', ARGV[2], 'resumed_at', ARGV[3])
-    redis.call('HSETNX', job, 'started_at', ARGV[3])
-    redis.call('HSET', KEYS[2], 'job', id, 'exec', exec)
-    return {id, tostring(exec), state}
+  if not state or not claimable[state] then
+    redis.call('ZREM', KEYS[1], id)  -- stale entry: the job ended meanwhile
+  else
+    local mine = true
+    if state == 'parked' then
+      local holder = redis.call('HGET', job, 'ckpt_worker')
+      local parked_at = tonumber(redis.call('HGET', job, 'parked_at') or '0')
+      if holder and holder ~= ARGV[2] and now - parked_at < affinity then
+        local alive = tonumber(redis.call('ZSCORE', KEYS[4], holder) or '0')
+        if alive > now then mine = false end
+      end
+    end
+    if mine then
+      redis.call('ZREM', KEYS[1], id)
+      local exec = redis.call('HINCRBY', job, 'exec', 1)
+      redis.call('HSET', job, 'state', 'running', 'worker', ARGV[2], 'resumed_at', ARGV[3])
+      redis.call('HSETNX', job, 'started_at', ARGV[3])
+      local key = -tonumber(redis.call('HGET', job, 'score'))
+      redis.call('HSET', KEYS[2], 'job', id, 'exec', exec, 'since', ARGV[3], 'key', key)
+      redis.call('HDEL', KEYS[2], 'preempt')
+      redis.call('ZADD', KEYS[3], key, ARGV[2])
+      return {id, tostring(exec), state}
+    end
   end
-  -- A stale entry (the job ended meanwhile): drop it and look again.
 end
+return false

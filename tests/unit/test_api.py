@@ -120,8 +120,8 @@ def test_events_replay_after_last_event_id(client: FlaskClient, store: Store) ->
     claim = store.claim("w", 2.0)
     assert claim is not None
     chunks = [json.dumps({"n": i}) for i in range(5)]
-    store.step("j1", claim.exec_token, "w", 5, chunks)
-    store.step("j1", claim.exec_token, "w", 5, [DONE])
+    store.step("j1", claim.exec_token, "w", 5, 1, chunks)
+    store.step("j1", claim.exec_token, "w", 5, 6, [DONE])
     resp = client.get("/v1/jobs/j1/events", headers={"Last-Event-ID": "3"})
     assert resp.headers["Content-Type"].startswith("text/event-stream")
     assert _sse(resp.data) == [(4, chunks[3]), (5, chunks[4]), (6, DONE)]
@@ -131,11 +131,11 @@ def test_live_events_follow_the_replay(client: FlaskClient, store: Store) -> Non
     store.enqueue("j2", "completion", {}, 0, 1.0)
     claim = store.claim("w", 2.0)
     assert claim is not None
-    store.step("j2", claim.exec_token, "w", 1, ["a"])
+    store.step("j2", claim.exec_token, "w", 1, 1, ["a"])
 
     def produce() -> None:
-        for data in ("b", "c", DONE):
-            store.step("j2", claim.exec_token, "w", 1, [data])
+        for seq, data in enumerate(("b", "c", DONE), start=2):
+            store.step("j2", claim.exec_token, "w", 1, seq, [data])
 
     timer = threading.Timer(0.3, produce)
     timer.start()

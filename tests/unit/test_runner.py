@@ -32,7 +32,7 @@ def _texts(payloads: list[str]) -> str:
 def test_prefill_in_chunks_then_one_token_per_step() -> None:
     engine = FakeEngine(script=list(b"hi there"), prompt_len=10)
     emitted: list[str] = []
-    outcome = drive(engine, _gen(engine, b"x" * 10), lambda p, n: emitted.extend(p) or 0, 4)
+    outcome = drive(engine, _gen(engine, b"x" * 10), lambda p: emitted.extend(p) or 0, 4)
     assert engine.calls[:3] == [(4, 0), (4, 4), (2, 8)]
     assert all(n == 1 for n, _ in engine.calls[3:])
     assert outcome.state == "finished"
@@ -43,7 +43,7 @@ def test_prefill_in_chunks_then_one_token_per_step() -> None:
 def test_a_character_split_across_tokens_is_emitted_whole() -> None:
     engine = FakeEngine(script=list("é日".encode()))
     emitted: list[str] = []
-    outcome = drive(engine, _gen(engine, b"p"), lambda p, n: emitted.extend(p) or 0, 8)
+    outcome = drive(engine, _gen(engine, b"p"), lambda p: emitted.extend(p) or 0, 8)
     texts = [json.loads(p)["choices"][0]["text"] for p in emitted]
     assert texts == ["é", "日"]
     assert json.loads(outcome.payloads[0])["choices"][0]["finish_reason"] == "stop"
@@ -51,12 +51,12 @@ def test_a_character_split_across_tokens_is_emitted_whole() -> None:
 
 def test_stop_sequence_and_length_finish_reasons() -> None:
     engine = FakeEngine(script=list(b"abcSTOPdef"))
-    outcome = drive(engine, _gen(engine, b"p", stop=("STOP",)), lambda p, n: 0, 8)
+    outcome = drive(engine, _gen(engine, b"p", stop=("STOP",)), lambda p: 0, 8)
     assert json.loads(outcome.payloads[-2])["choices"][0]["finish_reason"] == "stop"
     engine = FakeEngine(script=list(b"abcdef"))
     emitted: list[str] = []
     gen = _gen(engine, b"p", max_tokens=3)
-    outcome = drive(engine, gen, lambda p, n: emitted.extend(p) or 0, 8)
+    outcome = drive(engine, gen, lambda p: emitted.extend(p) or 0, 8)
     assert _texts(emitted + outcome.payloads) == "abc"
     assert gen.usage == {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
 
@@ -64,11 +64,11 @@ def test_stop_sequence_and_length_finish_reasons() -> None:
 def test_eos_ends_unless_ignored() -> None:
     engine = FakeEngine(script=[*b"ab", EOS, *b"cd"])
     gen = _gen(engine, b"p", max_tokens=10)
-    drive(engine, gen, lambda p, n: 0, 8)
+    drive(engine, gen, lambda p: 0, 8)
     assert gen.generated == list(b"ab")
     engine = FakeEngine(script=[*b"ab", EOS, *b"cd"])
     gen = _gen(engine, b"p", max_tokens=4, ignore_eos=True)
-    drive(engine, gen, lambda p, n: 0, 8)
+    drive(engine, gen, lambda p: 0, 8)
     assert gen.generated == [*b"ab", EOS, ord("c")]
 
 
@@ -76,20 +76,22 @@ def test_cancel_flag_stops_within_one_step() -> None:
     engine = FakeEngine()
     steps = []
 
-    def emit(payloads: list[str], n: int) -> int:
-        steps.append(n)
-        return CANCEL if n >= 5 else 0
+    gen = _gen(engine, b"p", max_tokens=100)
 
-    outcome = drive(engine, _gen(engine, b"p", max_tokens=100), emit, 8)
+    def emit(payloads: list[str]) -> int:
+        steps.append(len(gen.generated))
+        return CANCEL if len(gen.generated) >= 5 else 0
+
+    outcome = drive(engine, gen, emit, 8)
     assert outcome.state == "cancelled"
-    assert steps[-1] == 5
+    assert steps[-1] == 5 and len(gen.generated) == 5
 
 
 def test_chat_stream_starts_with_the_role_and_can_report_usage() -> None:
     engine = FakeEngine(script=list(b"ok"))
     emitted: list[str] = []
     gen = _gen(engine, b"p", kind="chat", include_usage=True, logprobs=True, top_logprobs=2)
-    outcome = drive(engine, gen, lambda p, n: emitted.extend(p) or 0, 8)
+    outcome = drive(engine, gen, lambda p: emitted.extend(p) or 0, 8)
     first = json.loads(emitted[0])
     assert first["choices"][0]["delta"]["role"] == "assistant"
     lp = json.loads(emitted[1])["choices"][0]["logprobs"]["content"][0]

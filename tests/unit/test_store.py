@@ -36,12 +36,23 @@ def test_step_appends_numbered_events_and_reports_cancel(store: Store) -> None:
     _enqueue(store, "a", 0, 1.0)
     claim = store.claim("w", 2.0)
     assert claim is not None
-    assert store.step("a", claim.exec_token, "w", 1, ["one"]) == 0
-    assert store.step("a", claim.exec_token, "w", 2, ["two", "three"]) == 0
+    assert store.step("a", claim.exec_token, "w", 1, 1, ["one"]).flags == 0
+    assert store.step("a", claim.exec_token, "w", 2, 2, ["two", "three"]).flags == 0
     assert store.events_after("a", 0) == [(1, "one"), (2, "two"), (3, "three")]
     assert store.events_after("a", 2) == [(3, "three")]
     assert store.cancel("a", 3.0) == "cancelling"
-    assert store.step("a", claim.exec_token, "w", 2, []) & 1
+    assert store.step("a", claim.exec_token, "w", 2, 4, []).flags & 1
+
+
+def test_replayed_events_are_written_once(store: Store) -> None:
+    _enqueue(store, "a", 0, 1.0)
+    claim = store.claim("w", 2.0)
+    assert claim is not None
+    store.step("a", claim.exec_token, "w", 2, 1, ["one", "two"])
+    # A replay re-creates events 1 and 2, then makes new ones.
+    store.step("a", claim.exec_token, "w", 1, 1, ["one"])
+    store.step("a", claim.exec_token, "w", 3, 2, ["two", "three"])
+    assert store.events_after("a", 0) == [(1, "one"), (2, "two"), (3, "three")]
 
 
 def test_a_stale_execution_cannot_write(store: Store) -> None:
@@ -49,7 +60,7 @@ def test_a_stale_execution_cannot_write(store: Store) -> None:
     claim = store.claim("w", 2.0)
     assert claim is not None
     with pytest.raises(Fenced):
-        store.step("a", "999", "w", 1, ["x"])
+        store.step("a", "999", "w", 1, 1, ["x"])
     assert store.events_after("a", 0) == []
 
 
@@ -67,7 +78,9 @@ def test_finish_sets_terminal_state_and_last_events(store: Store) -> None:
     _enqueue(store, "a", 0, 1.0)
     claim = store.claim("w", 2.0)
     assert claim is not None
-    store.finish("a", claim.exec_token, "w", JobState.FINISHED, {"finish_reason": "stop"}, [DONE])
+    store.finish(
+        "a", claim.exec_token, "w", JobState.FINISHED, {"finish_reason": "stop"}, 1, [DONE], 3.0
+    )
     rec = store.get("a")
     assert rec is not None and rec["state"] == "finished" and rec["finish_reason"] == "stop"
     assert store.events_after("a", 0) == [(1, DONE)]

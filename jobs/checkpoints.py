@@ -1,0 +1,60 @@
+"""KV checkpoints of parked jobs, in the worker's RAM, within a byte budget.
+
+Least recently stored goes first when the budget is exceeded. A job whose KV
+is gone resumes by replaying its prompt and generated tokens instead.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+__all__ = ["Checkpoint", "CheckpointStore"]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    #: The execution token of the run that parked: the Redis state must match.
+    exec_token: str
+    #: KV positions held.
+    n_past: int
+    kv: bytes
+
+
+class CheckpointStore:
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self._items: OrderedDict[str, Checkpoint] = OrderedDict()
+        self.bytes = 0
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self._items
+
+    def job_ids(self) -> list[str]:
+        return list(self._items)
+
+    def put(self, job_id: str, checkpoint: Checkpoint) -> None:
+        self.drop(job_id)
+        if len(checkpoint.kv) > self.budget:
+            self.evicted += 1
+            return
+        self._items[job_id] = checkpoint
+        self.bytes += len(checkpoint.kv)
+        while self.bytes > self.budget:
+            _, old = self._items.popitem(last=False)
+            self.bytes -= len(old.kv)
+            self.evicted += 1
+
+    def take(self, job_id: str) -> Checkpoint | None:
+        """Remove and return a job's checkpoint (each is used once)."""
+        checkpoint = self._items.pop(job_id, None)
+        if checkpoint is not None:
+            self.bytes -= len(checkpoint.kv)
+        return checkpoint
+
+    def drop(self, job_id: str) -> None:
+        self.take(job_id)

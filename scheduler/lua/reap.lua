@@ -1,0 +1,50 @@
+-- Requeue the jobs of workers whose heartbeat expired, and forget the workers.
+-- KEYS: workers zset, queue zset, running zset, wake list
+-- ARGV: now, job key prefix, worker key prefix, events key prefix, channel
+--       prefix, crash limit, ttl, failure payloads...
+-- A job whose worker died while running it goes back to the queue with its
+-- original score; it resumes from its last checkpoint (or from the start),
+-- and its stream continues without duplicates. A job that has lost its worker
+-- `crash limit` times fails instead.
+-- Returns a flat list: worker, job id or '', outcome ('requeued', 'failed', '').
+local out = {}
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1])
+for _, w in ipairs(dead) do
+  local wkey = ARGV[3] .. w
+  local id = redis.call('HGET', wkey, 'job')
+  local exec = redis.call('HGET', wkey, 'exec')
+  local outcome = ''
+  if id then
+    local job = ARGV[2] .. id
+    local state = redis.call('HGET', job, 'state')
+    if redis.call('HGET', job, 'exec') == exec and (state == 'running' or state == 'parking') then
+      local crashes = redis.call('HINCRBY', job, 'crashes', 1)
+      if crashes >= tonumber(ARGV[6]) then
+        local events = ARGV[4] .. id
+        for i = 8, #ARGV do
+          local seq = redis.call('HINCRBY', job, 'seq', 1)
+          redis.call('XADD', events, seq .. '-0', 'd', ARGV[i])
+          redis.call('PUBLISH', ARGV[5] .. id, seq .. ' ' .. ARGV[i])
+        end
+        redis.call('HSET', job, 'state', 'failed', 'finished_at', ARGV[1],
+                   'error', 'the job lost its worker ' .. crashes .. ' times')
+        redis.call('EXPIRE', job, ARGV[7])
+        redis.call('EXPIRE', events, ARGV[7])
+        outcome = 'failed'
+      else
+        redis.call('HSET', job, 'state', 'queued')
+        redis.call('HINCRBY', job, 'exec', 1)  -- fence the dead execution
+        redis.call('ZADD', KEYS[2], redis.call('HGET', job, 'score'), id)
+        redis.call('LPUSH', KEYS[4], id)
+        outcome = 'requeued'
+      end
+    end
+  end
+  redis.call('DEL', wkey)
+  redis.call('ZREM', KEYS[1], w)
+  redis.call('ZREM', KEYS[3], w)
+  table.insert(out, w)
+  table.insert(out, id or '')
+  table.insert(out, outcome)
+end
+return out
