@@ -131,7 +131,8 @@ def _vocab() -> tuple[list[bytes], list[float], list[int]]:
     pieces: list[str] = ["\u2581"]
     pieces += list(string.ascii_letters + string.digits + string.punctuation)
     pieces += ["\u2581" + c for c in string.ascii_lowercase]
-    pieces += ["\u2581" + w for w in _WORDS]
+    # Every prefix of each word piece, so that SentencePiece's pairwise merges reach it.
+    pieces += ["\u2581" + w[:n] for w in _WORDS for n in range(1, len(w) + 1)]
     seen: set[str] = set()
     for piece in pieces:
         if piece in seen:

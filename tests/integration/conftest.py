@@ -25,6 +25,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+#: Settings of the test deployments: short timers so that tests stay quick.
+TEST_ENV = {
+    "PARKQ_N_CTX": "4096",
+    "PARKQ_N_BATCH": "16",
+    "PARKQ_MIN_RUN_SECONDS": "0.05",
+    "PARKQ_PREEMPT_MARGIN": "0.2",
+    "PARKQ_PRIORITY_LEVEL_SECONDS": "0.5",
+    "PARKQ_WORKER_TTL": "3",
+    "PARKQ_HEARTBEAT_SECONDS": "0.5",
+}
+
+
 @dataclass
 class Server:
     base_url: str
@@ -78,6 +90,6 @@ def stop_parkq(proc: subprocess.Popen[str]) -> int:
 
 @pytest.fixture(scope="session")
 def server(redis_server, tiny_model: Path) -> Iterator[Server]:
-    proc, base = start_parkq(tiny_model, redis_server.url, env={"PARKQ_N_CTX": "4096"})
+    proc, base = start_parkq(tiny_model, redis_server.url, env=TEST_ENV)
     yield Server(base, redis_server.url, proc)
     stop_parkq(proc)

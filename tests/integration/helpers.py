@@ -1,0 +1,62 @@
+"""HTTP helpers for the integration tests."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import requests
+
+
+def submit_stream(base_url: str, body: dict[str, Any], route: str = "completions") -> requests.Response:
+    resp = requests.post(f"{base_url}/v1/{route}", json={**body, "stream": True}, stream=True, timeout=60)
+    resp.raise_for_status()
+    return resp
+
+
+def read_events(resp: requests.Response, limit: int | None = None) -> list[tuple[int, str]]:
+    """Read SSE events (id, data) until [DONE] or ``limit`` events."""
+    out: list[tuple[int, str]] = []
+    event_id = None
+    # One line iterator per response: a new one would lose what the last one buffered.
+    lines = resp.__dict__.setdefault("_parkq_lines", resp.iter_lines(decode_unicode=True))
+    for line in lines:
+        if line.startswith("id: "):
+            event_id = int(line[4:])
+        elif line.startswith("data: "):
+            assert event_id is not None
+            out.append((event_id, line[6:]))
+            if line[6:] == "[DONE]" or (limit is not None and len(out) >= limit):
+                break
+    return out
+
+
+def completion_text(events: list[tuple[int, str]]) -> str:
+    return "".join(c["text"] for c in chunks(events) for c in c["choices"])
+
+
+def chunks(events: list[tuple[int, str]]) -> list[dict[str, Any]]:
+    return [json.loads(d) for _, d in events if d != "[DONE]"]
+
+
+def logprob_tokens(events: list[tuple[int, str]]) -> list[tuple[str, float]]:
+    out = []
+    for c in chunks(events):
+        for choice in c["choices"]:
+            lp = choice.get("logprobs")
+            if lp:
+                out += list(zip(lp["tokens"], lp["token_logprobs"], strict=True))
+    return out
+
+
+def job(base_url: str, job_id: str) -> dict[str, Any]:
+    return requests.get(f"{base_url}/v1/jobs/{job_id}", timeout=10).json()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)

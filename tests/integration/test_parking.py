@@ -1,0 +1,210 @@
+"""Parking through the real pipeline: one worker, the tiny model, real Redis."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+from tests.integration.conftest import Server
+from tests.integration.helpers import (
+    completion_text,
+    job,
+    logprob_tokens,
+    read_events,
+    submit_stream,
+    wait_until,
+)
+
+
+def _long(temperature: float, **kw) -> dict:
+    return {
+        "prompt": kw.pop("prompt", "The long batch job begins"),
+        "max_tokens": kw.pop("max_tokens", 2500),
+        "temperature": temperature,
+        "seed": 42,
+        "logprobs": 2,
+        "ignore_eos": True,
+        "priority": "batch",
+        **kw,
+    }
+
+
+SHORT = {"prompt": "Quick question", "max_tokens": 4, "priority": "interactive"}
+
+
+def _reference(server: Server, body: dict) -> list[tuple[int, str]]:
+    resp = submit_stream(server.base_url, body)
+    events = read_events(resp)
+    resp.close()
+    assert job(server.base_url, resp.headers["X-Job-Id"])["preemptions"] == 0
+    return events
+
+
+def _interrupt(server: Server, job_id: str, times: int) -> list[float]:
+    """Send ``times`` short interactive requests while ``job_id`` runs; their TTFTs."""
+    ttfts = []
+    for _ in range(times):
+        start = job(server.base_url, job_id)["tokens"]
+        wait_until(
+            lambda: job(server.base_url, job_id)["state"] == "running"
+            and job(server.base_url, job_id)["tokens"] > start + 3
+        )
+        t0 = time.monotonic()
+        resp = submit_stream(server.base_url, SHORT)
+        first = read_events(resp, limit=1)
+        ttfts.append(time.monotonic() - t0)
+        rest = read_events(resp)
+        resp.close()
+        assert first and rest[-1][1] == "[DONE]"
+    return ttfts
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("parks", [1, 3, 10])
+def test_parked_job_is_token_identical(server: Server, parks: int, temperature: float) -> None:
+    body = _long(temperature)
+    reference = _reference(server, body)
+    resp = submit_stream(server.base_url, body)
+    job_id = resp.headers["X-Job-Id"]
+    _interrupt(server, job_id, parks)
+    events = read_events(resp)
+    resp.close()
+    assert job(server.base_url, job_id)["preemptions"] == parks
+    assert [i for i, _ in events] == list(range(1, len(events) + 1))
+    assert completion_text(events) == completion_text(reference)
+    assert logprob_tokens(events) == logprob_tokens(reference)
+    assert len(logprob_tokens(events)) == 2500
+
+
+def test_parking_during_prefill_continues_from_its_chunk(server: Server) -> None:
+    prompt = "the park " * 1000  # 2,000 tokens: 125 chunks of 16
+    body = _long(0.0, prompt=prompt, max_tokens=200)
+    reference = _reference(server, body)
+    resp = submit_stream(server.base_url, body)
+    job_id = resp.headers["X-Job-Id"]
+    wait_until(lambda: job(server.base_url, job_id)["state"] == "running", timeout=30)
+    short = submit_stream(server.base_url, SHORT)
+    assert read_events(short, limit=1)
+    checkpoint = json.loads(server.redis.hget(f"{{parkq}}:job:{job_id}", "checkpoint") or "{}")
+    read_events(short)
+    short.close()
+    events = read_events(resp)
+    resp.close()
+    assert job(server.base_url, job_id)["preemptions"] == 1
+    assert checkpoint["generated"] == [] and 0 < checkpoint["n_prefilled"] < 2000
+    assert completion_text(events) == completion_text(reference)
+    assert logprob_tokens(events) == logprob_tokens(reference)
+
+
+def test_short_request_starts_within_a_step_of_arriving(server: Server) -> None:
+    idle = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        resp = submit_stream(server.base_url, SHORT)
+        read_events(resp, limit=1)
+        idle.append(time.monotonic() - t0)
+        read_events(resp)
+        resp.close()
+    resp = submit_stream(server.base_url, _long(0.0))
+    job_id = resp.headers["X-Job-Id"]
+    busy = _interrupt(server, job_id, 3)
+    events = read_events(resp)
+    resp.close()
+    long_job = job(server.base_url, job_id)
+    assert long_job["preemptions"] == 3 and events[-1][1] == "[DONE]"
+    # Behaviour, not speed: under load the short request waited for one step and
+    # a park, not for the 2,500-token job (which takes seconds here).
+    assert max(busy) < min(idle) + 1.0
+    assert long_job["finished_at"] - long_job["started_at"] > max(busy)
+
+
+def test_reconnecting_reader_across_parks_gets_every_event_once(server: Server) -> None:
+    body = _long(0.8, max_tokens=1500)
+    reference = _reference(server, body)
+    resp = submit_stream(server.base_url, body)
+    job_id = resp.headers["X-Job-Id"]
+    seen: list[tuple[int, str]] = []
+    done = threading.Event()
+
+    def reader() -> None:
+        nonlocal resp
+        while True:
+            seen.extend(read_events(resp, limit=150))
+            resp.close()
+            if seen[-1][1] == "[DONE]":
+                done.set()
+                return
+            resp = requests.get(
+                f"{server.base_url}/v1/jobs/{job_id}/events",
+                headers={"Last-Event-ID": str(seen[-1][0])},
+                stream=True,
+                timeout=60,
+            )
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    _interrupt(server, job_id, 3)
+    thread.join(timeout=60)
+    assert done.is_set()
+    assert [i for i, _ in seen] == list(range(1, len(seen) + 1))
+    assert completion_text(seen) == completion_text(reference)
+
+
+def test_cancel_a_parked_job_leaves_the_runner_alone(server: Server) -> None:
+    long = submit_stream(server.base_url, _long(0.0))
+    long_id = long.headers["X-Job-Id"]
+    wait_until(lambda: job(server.base_url, long_id)["tokens"] > 5)
+    chat = submit_stream(server.base_url, {**SHORT, "max_tokens": 600, "ignore_eos": True})
+    chat_id = chat.headers["X-Job-Id"]
+    wait_until(lambda: job(server.base_url, long_id)["state"] == "parked")
+    assert job(server.base_url, chat_id)["state"] == "running"
+    resp = requests.delete(f"{server.base_url}/v1/jobs/{long_id}", timeout=10)
+    assert resp.status_code == 200 and resp.json()["state"] == "cancelled"
+    long_events = read_events(long)
+    assert json.loads(long_events[-2][1])["error"]["code"] == "job_cancelled"
+    chat_events = read_events(chat)
+    chat.close()
+    long.close()
+    assert job(server.base_url, chat_id)["tokens"] == 600
+    assert json.loads(chat_events[-2][1])["choices"][0]["finish_reason"] == "length"
+    assert job(server.base_url, long_id)["state"] == "cancelled"
+
+
+def test_batch_job_finishes_under_a_continuous_stream_of_interactive_requests(
+    server: Server,
+) -> None:
+    # Test settings: 10 levels * 0.5 s + margin 0.2 s: after ~5.2 s of age no new
+    # interactive request can preempt or overtake the batch job.
+    resp = submit_stream(server.base_url, _long(0.0, max_tokens=1500))
+    job_id = resp.headers["X-Job-Id"]
+    wait_until(lambda: job(server.base_url, job_id)["state"] == "running")
+    stop = threading.Event()
+    served = []
+
+    def chatter() -> None:
+        while not stop.is_set():
+            r = requests.post(
+                server.base_url + "/v1/completions",
+                json={**SHORT, "max_tokens": 30, "ignore_eos": True},
+                timeout=60,
+            )
+            served.append(r.status_code)
+
+    threads = [threading.Thread(target=chatter) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        events = read_events(resp)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        resp.close()
+    batch = job(server.base_url, job_id)
+    assert events[-1][1] == "[DONE]" and batch["state"] == "finished"
+    assert batch["preemptions"] >= 1
+    assert len(served) > 10 and set(served) == {200}
