@@ -115,7 +115,9 @@ class Generation:
             "decoder": base64.b64encode(self.decoder.pending).decode(),
             "stop_held": self.stopper.held,
             "tool": [self.parser.inside, self.parser.held, self.parser.count],
-            "logprobs": [[t.token, t.logprob, [list(x) for x in t.top]] for t in self.held_logprobs],
+            "logprobs": [
+                [t.token, t.logprob, [list(x) for x in t.top]] for t in self.held_logprobs
+            ],
             "text_offset": self.text_offset,
             "started": self.started,
             "events": self.events,
@@ -233,7 +235,11 @@ class Generation:
                 out.append(self.chunks.tool_call(piece.index, call_id, piece.name, piece.arguments))
             elif piece:
                 out.append(self._delta(piece))
-        if final and self.held_logprobs and not any(not isinstance(p, ToolCall) and p for p in pieces):
+        if (
+            final
+            and self.held_logprobs
+            and not any(not isinstance(p, ToolCall) and p for p in pieces)
+        ):
             out.append(self._delta(""))
         return out
 

@@ -83,12 +83,25 @@ class RQBridge:
     # -- worker side -----------------------------------------------------
 
     def register_worker(self, name: str) -> None:
+        """Show this worker to RQ. A stale record of the same name (a worker
+        that died without signing off) is replaced: the caller has checked that
+        no live parkq worker uses the name."""
         self.worker = SimpleWorker(
             [self.queue], connection=self.r, name=name, serializer=JSONSerializer
         )
         self.worker.hostname = socket.gethostname()
-        self.worker.register_birth()
+        try:
+            self.worker.register_birth()
+        except ValueError:
+            self.forget_worker(name)
+            self.worker.register_birth()
         self.worker.set_state("idle")
+
+    def forget_worker(self, name: str) -> None:
+        """Remove the RQ record of a dead worker."""
+        SimpleWorker(
+            [self.queue], connection=self.r, name=name, serializer=JSONSerializer
+        ).register_death()
 
     def unregister_worker(self) -> None:
         if self.worker is not None:

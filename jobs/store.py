@@ -107,7 +107,9 @@ class Store:
         flat = [x for kv in fields.items() for x in kv]
         k = self.keys
         done = self._run(
-            "enqueue", [k.job(job_id), k.queue, k.wake, k.jobs], [job_id, repr(score), repr(now), *flat]
+            "enqueue",
+            [k.job(job_id), k.queue, k.wake, k.jobs],
+            [job_id, repr(score), repr(now), *flat],
         )
         return bool(done)
 
@@ -140,7 +142,9 @@ class Store:
         rank = self.r.zrank(self.keys.queue, job_id)
         return None if rank is None else int(rank)
 
-    def events_after(self, job_id: str, seq: int, count: int | None = None) -> list[tuple[int, str]]:
+    def events_after(
+        self, job_id: str, seq: int, count: int | None = None
+    ) -> list[tuple[int, str]]:
         """Events with sequence numbers above ``seq``, in order."""
         entries = self.r.xrange(self.keys.events(job_id), min=f"({seq}-0", max="+", count=count)
         return [(int(_text(eid).split("-", 1)[0]), _text(f[b"d"])) for eid, f in entries]
@@ -151,7 +155,7 @@ class Store:
     # -- preemption -------------------------------------------------------
 
     def runners(self, now: float) -> tuple[list[Runner], int, list[str]]:
-        """Live runners, the number of idle live workers, and their exec tokens."""
+        """Preemptible live runners, the number of idle live workers, their exec tokens."""
         k = self.keys
         with self.r.pipeline(transaction=False) as p:
             p.zrangebyscore(k.workers, now, "+inf")
@@ -161,12 +165,12 @@ class Store:
         busy = [_text(w) for w in running_raw if _text(w) in alive]
         with self.r.pipeline(transaction=False) as p:
             for w in busy:
-                p.hmget(k.worker(w), "job", "exec", "since", "key")
+                p.hmget(k.worker(w), "job", "exec", "since", "key", "pinned")
             rows = p.execute()
         runners, tokens = [], []
-        for w, (job, exec_, since, key) in zip(busy, rows, strict=True):
-            if job is None or since is None or key is None:
-                continue
+        for w, (job, exec_, since, key, pinned) in zip(busy, rows, strict=True):
+            if job is None or since is None or key is None or pinned == b"1":
+                continue  # a worker that never parks is busy but no candidate
             runners.append(Runner(w, _text(job), float(key), float(since)))
             tokens.append(_text(exec_))
         return runners, len(alive) - len(busy), tokens
@@ -218,6 +222,7 @@ class Store:
                 _states(*sources(JobState.RUNNING)),
                 self.settings.affinity_seconds,
                 16,
+                "0" if self.settings.preempt else "1",
             ],
         )
         if not got:
@@ -288,8 +293,15 @@ class Store:
         result = self._run(
             "park",
             [k.job(job_id), k.queue, k.worker(worker), k.running, k.wake, k.events(job_id)],
-            [exec_token, repr(now), checkpoint, worker, k.channel(job_id), self.result_ttl]
-            + CANCEL_EVENTS,
+            [
+                exec_token,
+                repr(now),
+                checkpoint,
+                worker,
+                k.channel(job_id),
+                self.result_ttl,
+                *CANCEL_EVENTS,
+            ],
         )
         if result == -1:
             raise Fenced(job_id)

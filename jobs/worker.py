@@ -58,6 +58,8 @@ class Worker:
 
     def run(self) -> None:
         """Work until :meth:`stop` is called."""
+        if self.name in self.store.workers_alive(time.time()):
+            raise RuntimeError(f"a live worker is already named {self.name!r}")
         self.rq.register_worker(self.name)
         self.beat()
         log.info("worker %s ready (n_ctx=%d)", self.name, self.engine.n_ctx)
@@ -89,6 +91,7 @@ class Worker:
         self.store.heartbeat(self.name, now, self.settings.worker_ttl)
         self.rq.heartbeat(int(self.settings.worker_ttl) + 60)
         for reaped in self.store.reap(now):
+            self.rq.forget_worker(reaped.worker)
             if reaped.job_id:
                 log.warning(
                     "job %s: worker %s died; job %s", reaped.job_id, reaped.worker, reaped.outcome
@@ -241,11 +244,17 @@ class Worker:
                 job_id, claim.exec_token, self.name, state, fields, first, payloads, time.time()
             )
         except Fenced:
-            log.warning("job %s: execution %s was superseded; dropping it", job_id, claim.exec_token)
+            log.warning(
+                "job %s: execution %s was superseded; dropping it", job_id, claim.exec_token
+            )
             return
         self.rq.ended(job_id, "finished" if state is JobState.FINISHED else "canceled")
         log.info(
-            "job %s: %s (%s, %d tokens)", job_id, state.value, fields["finish_reason"], len(gen.generated)
+            "job %s: %s (%s, %d tokens)",
+            job_id,
+            state.value,
+            fields["finish_reason"],
+            len(gen.generated),
         )
 
     def _fail(self, claim: Claim, message: str, code: str) -> None:

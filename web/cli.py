@@ -49,6 +49,12 @@ _model_opt = click.option("--model", help="GGUF model path (default: the demo mo
 _redis_opt = click.option("--redis-url", help="Redis URL (env PARKQ_REDIS_URL).")
 _host_opt = click.option("--host", help="Bind address [127.0.0.1].")
 _port_opt = click.option("--port", type=int, help="Port [8000].")
+_preempt_opt = click.option(
+    "--no-preempt",
+    "no_preempt",
+    is_flag=True,
+    help="Never interrupt a running job (priority order only), for A/B comparison.",
+)
 
 
 @main.command()
@@ -58,13 +64,19 @@ _port_opt = click.option("--port", type=int, help="Port [8000].")
 @click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
 @_redis_opt
 @click.option("--chat-format", help="Named chat format (default: the model's template).")
+@_preempt_opt
 def up(model: str | None, host: str | None, port: int | None, workers: int,
-       redis_url: str | None, chat_format: str | None) -> None:  # fmt: skip
+       redis_url: str | None, chat_format: str | None, no_preempt: bool) -> None:  # fmt: skip
     """Start Redis (embedded unless --redis-url), the web server and the workers."""
     from web.launcher import Stack
 
     settings = load_settings(
-        model=model, host=host, port=port, redis_url=redis_url, chat_format=chat_format
+        model=model,
+        host=host,
+        port=port,
+        redis_url=redis_url,
+        chat_format=chat_format,
+        preempt=False if no_preempt else None,
     )
     configure_logging(settings.log_level, settings.log_format)
     stack = Stack(_resolve_model(settings), workers=workers)
@@ -115,14 +127,22 @@ def web(host: str | None, port: int | None, redis_url: str | None, model: str | 
 @_redis_opt
 @_model_opt
 @click.option("--name", help="Worker name (default host.pid).")
-def worker(redis_url: str | None, model: str | None, name: str | None) -> None:
+@_preempt_opt
+def worker(redis_url: str | None, model: str | None, name: str | None, no_preempt: bool) -> None:
     """Run one worker: loads the model once and serves jobs one at a time."""
     import redis
 
     from jobs.engine import LlamaEngine
     from jobs.worker import Worker
 
-    settings = _resolve_model(load_settings(redis_url=redis_url, model=model, worker_name=name))
+    settings = _resolve_model(
+        load_settings(
+            redis_url=redis_url,
+            model=model,
+            worker_name=name,
+            preempt=False if no_preempt else None,
+        )
+    )
     configure_logging(settings.log_level, settings.log_format)
     if not settings.redis_url:
         raise click.ClickException("--redis-url (or PARKQ_REDIS_URL) is required")

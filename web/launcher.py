@@ -74,6 +74,8 @@ class Stack:
         self.workers = workers
         self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.tmp: str | None = None
+        self._specs: dict[str, tuple[list[str], dict[str, str] | None]] = {}
+        self._restarts: dict[str, list[float]] = {}
 
     @property
     def base_url(self) -> str:
@@ -81,6 +83,7 @@ class Stack:
         return f"http://{host}:{self.settings.port}"
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self._specs[name] = (argv, env)
         # Own process group: a terminal's Ctrl-C reaches the launcher only, which
         # then stops the children in order (Redis last).
         proc = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent, start_new_session=True)
@@ -109,6 +112,12 @@ class Stack:
             self._wait_redis()
         if self.settings.port == 0:
             self.settings = self.settings.model_copy(update={"port": free_port()})
+        if self.settings.n_threads is None and self.workers > 1:
+            # Several CPU workers on one machine: share the cores, do not oversubscribe.
+            cores = len(os.sched_getaffinity(0))
+            self.settings = self.settings.model_copy(
+                update={"n_threads": max(1, cores // self.workers)}
+            )
         env = settings_env(self.settings)
         cli = [sys.executable, "-m", "web.cli"]
         self._spawn("web", [*cli, "web"], env)
@@ -156,13 +165,30 @@ class Stack:
             time.sleep(0.1)
 
     def wait(self) -> int:
-        """Block until a child exits; return its status."""
+        """Block until Redis or the web server exits; return its status.
+
+        A worker that dies is started again (its jobs are requeued by the
+        others, or by the new one, once its heartbeat expires), unless it dies
+        three times within a minute.
+        """
         while True:
-            for name, proc in self.children:
+            for i, (name, proc) in enumerate(self.children):
                 code = proc.poll()
-                if code is not None:
-                    print(f"parkq: {name} exited with status {code}", file=sys.stderr)
+                if code is None:
+                    continue
+                print(f"parkq: {name} exited with status {code}", file=sys.stderr)
+                if not name.startswith("worker"):
                     return code or 1
+                now = time.monotonic()
+                recent = [t for t in self._restarts.get(name, []) if now - t < 60] + [now]
+                self._restarts[name] = recent
+                if len(recent) > 3:
+                    return code or 1
+                argv, env = self._specs[name]
+                self.children.pop(i)
+                self._spawn(name, argv, env)
+                print(f"parkq: {name} restarted", file=sys.stderr)
+                break
             time.sleep(0.2)
 
     def stop(self, grace: float = 10.0) -> None:

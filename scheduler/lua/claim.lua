@@ -1,7 +1,8 @@
 -- Claim the best waiting job for a worker.
 -- KEYS: queue zset, worker hash, running zset, workers zset
 -- ARGV: job key prefix, worker name, now, claimable states (comma separated),
---       affinity seconds, how many queue entries to consider
+--       affinity seconds, how many queue entries to consider, '1' if the
+--       worker never parks (then no one asks it to)
 -- A parked job whose checkpoint lives on another live worker is left to that
 -- worker for `affinity seconds` after it was parked; then anyone may take it.
 -- Returns {id, execution token, previous state} or false when nothing fits.
@@ -31,7 +32,8 @@ for _, id in ipairs(top) do
       redis.call('HSET', job, 'state', 'running', 'worker', ARGV[2], 'resumed_at', ARGV[3])
       redis.call('HSETNX', job, 'started_at', ARGV[3])
       local key = -tonumber(redis.call('HGET', job, 'score'))
-      redis.call('HSET', KEYS[2], 'job', id, 'exec', exec, 'since', ARGV[3], 'key', key)
+      redis.call('HSET', KEYS[2], 'job', id, 'exec', exec, 'since', ARGV[3], 'key', key,
+                 'pinned', ARGV[7])
       redis.call('HDEL', KEYS[2], 'preempt')
       redis.call('ZADD', KEYS[3], key, ARGV[2])
       return {id, tostring(exec), state}

@@ -10,8 +10,12 @@ from typing import Any
 import requests
 
 
-def submit_stream(base_url: str, body: dict[str, Any], route: str = "completions") -> requests.Response:
-    resp = requests.post(f"{base_url}/v1/{route}", json={**body, "stream": True}, stream=True, timeout=60)
+def submit_stream(
+    base_url: str, body: dict[str, Any], route: str = "completions"
+) -> requests.Response:
+    resp = requests.post(
+        f"{base_url}/v1/{route}", json={**body, "stream": True}, stream=True, timeout=60
+    )
     resp.raise_for_status()
     return resp
 

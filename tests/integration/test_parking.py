@@ -50,8 +50,10 @@ def _interrupt(server: Server, job_id: str, times: int) -> list[float]:
     for _ in range(times):
         start = job(server.base_url, job_id)["tokens"]
         wait_until(
-            lambda: job(server.base_url, job_id)["state"] == "running"
-            and job(server.base_url, job_id)["tokens"] > start + 3
+            lambda: (
+                job(server.base_url, job_id)["state"] == "running"
+                and job(server.base_url, job_id)["tokens"] > start + 3
+            )
         )
         t0 = time.monotonic()
         resp = submit_stream(server.base_url, SHORT)

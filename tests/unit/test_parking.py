@@ -57,7 +57,9 @@ def _run_parked(
         parks += 1
         kv = engine.save_seq() if keep_kv else None
         # Another job uses the engine meanwhile.
-        other = Generation("other", _request(b"zz", max_tokens=5), engine.token_bytes, engine.is_eog)
+        other = Generation(
+            "other", _request(b"zz", max_tokens=5), engine.token_bytes, engine.is_eog
+        )
         drive(engine, other, lambda p: 0, n_batch)
         state = json.loads(json.dumps(gen.state()))
         gen = Generation.restore("job", req, engine.token_bytes, engine.is_eog, state)
@@ -91,7 +93,8 @@ def test_tool_call_cut_by_parking_keeps_id_and_arguments() -> None:
     text = b'Sure. <tool_call>{"name": "lookup", "arguments": {"q": "caf\xc3\xa9"}}</tool_call>'
     req = _request(b"p", kind="chat", tools=True, max_tokens=len(text) + 5)
     alone = _run_alone(req, 8, FakeEngine(script=list(text)))
-    tokens, payloads, parks = _run_parked(req, 8, {10, 30, 50}, True, FakeEngine(script=list(text)))
+    engine = FakeEngine(script=list(text))
+    _, payloads, parks = _run_parked(req, 8, {10, 30, 50}, True, engine)
     assert parks == 3 and payloads == alone[1]
     calls = [
         c["choices"][0]["delta"]["tool_calls"][0]

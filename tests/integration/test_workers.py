@@ -1,0 +1,150 @@
+"""Two worker processes against one Redis: takeover after SIGKILL, victim choice."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.integration.conftest import TEST_ENV
+from tests.integration.helpers import (
+    completion_text,
+    job,
+    read_events,
+    submit_stream,
+    wait_until,
+)
+from web.launcher import free_port
+
+CLI = [sys.executable, "-m", "web.cli"]
+
+
+class Cluster:
+    """`parkq web` and named `parkq worker` processes, each in its own directory."""
+
+    def __init__(self, redis_url: str, model: Path, root: Path) -> None:
+        self.env = {
+            **os.environ,
+            **TEST_ENV,
+            "PARKQ_REDIS_URL": redis_url,
+            "PARKQ_MODEL": str(model),
+            "PARKQ_KEY_PREFIX": "cluster",
+            "PARKQ_QUEUE_NAME": "cluster",
+            "PARKQ_LOG_LEVEL": "WARNING",
+            "PARKQ_N_THREADS": "1",  # two CPU workers share two cores
+        }
+        self.root = root
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, argv: list[str]) -> None:
+        cwd = self.root / name
+        cwd.mkdir(exist_ok=True)
+        self.procs[name] = subprocess.Popen([*CLI, *argv], env=self.env, cwd=cwd)
+
+    def start_worker(self, name: str) -> None:
+        self.start(name, ["worker", "--name", name])
+
+    def workers_alive(self) -> int:
+        try:
+            return int(requests.get(self.base_url + "/healthz", timeout=5).json()["workers"])
+        except requests.RequestException:
+            return 0
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server, tiny_model: Path, tmp_path_factory) -> Iterator[Cluster]:
+    c = Cluster(redis_server.url, tiny_model, tmp_path_factory.mktemp("cluster"))
+    c.start("web", ["web", "--port", str(c.port)])
+    c.start_worker("wa")
+    c.start_worker("wb")
+    try:
+        wait_until(lambda: c.workers_alive() == 2, timeout=60)
+        yield c
+    finally:
+        c.stop()
+
+
+LONG = {"prompt": "A job that outlives its worker", "max_tokens": 2500, "temperature": 0.8,
+        "seed": 9, "ignore_eos": True, "priority": "batch"}  # fmt: skip
+
+
+def test_sigkill_mid_generation_another_worker_takes_over(cluster: Cluster) -> None:
+    first = submit_stream(cluster.base_url, LONG)
+    reference = read_events(first)
+    first.close()
+    resp = submit_stream(cluster.base_url, LONG)
+    job_id = resp.headers["X-Job-Id"]
+    seen: list[tuple[int, str]] = []
+    done = threading.Event()
+
+    def reader() -> None:
+        nonlocal resp
+        while True:
+            with contextlib.suppress(requests.RequestException):
+                seen.extend(read_events(resp, limit=300))
+            resp.close()
+            if seen and seen[-1][1] == "[DONE]":
+                done.set()
+                return
+            resp = requests.get(
+                f"{cluster.base_url}/v1/jobs/{job_id}/events",
+                headers={"Last-Event-ID": str(seen[-1][0] if seen else 0)},
+                stream=True,
+                timeout=60,
+            )
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    wait_until(lambda: job(cluster.base_url, job_id)["tokens"] > 300)
+    victim = job(cluster.base_url, job_id)["worker"]
+    cluster.procs[victim].send_signal(signal.SIGKILL)
+    cluster.procs[victim].wait()
+    thread.join(timeout=90)
+    assert done.is_set()
+    final = job(cluster.base_url, job_id)
+    assert final["state"] == "finished" and final["worker"] != victim
+    assert [i for i, _ in seen] == list(range(1, len(seen) + 1))
+    assert completion_text(seen) == completion_text(reference)
+    cluster.start_worker(victim)  # a replacement, for the next tests
+    wait_until(lambda: cluster.workers_alive() == 2, timeout=60)
+
+
+def test_preemption_goes_to_the_worker_running_the_lowest_key(cluster: Cluster) -> None:
+    wait_until(lambda: cluster.workers_alive() == 2, timeout=60)
+    low = submit_stream(cluster.base_url, {**LONG, "priority": 0})
+    high = submit_stream(cluster.base_url, {**LONG, "priority": 3})
+    low_id, high_id = low.headers["X-Job-Id"], high.headers["X-Job-Id"]
+    wait_until(
+        lambda: (
+            job(cluster.base_url, low_id)["state"] == "running"
+            and job(cluster.base_url, high_id)["state"] == "running"
+        )
+    )
+    chat = submit_stream(cluster.base_url, {"prompt": "hi", "max_tokens": 8})
+    assert read_events(chat)[-1][1] == "[DONE]"
+    chat.close()
+    for resp in (low, high):
+        read_events(resp)
+        resp.close()
+    assert job(cluster.base_url, low_id)["preemptions"] == 1
+    assert job(cluster.base_url, high_id)["preemptions"] == 0
