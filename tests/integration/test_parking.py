@@ -49,12 +49,12 @@ def _interrupt(server: Server, job_id: str, times: int) -> list[float]:
     ttfts = []
     for _ in range(times):
         start = job(server.base_url, job_id)["tokens"]
-        wait_until(
-            lambda: (
-                job(server.base_url, job_id)["state"] == "running"
-                and job(server.base_url, job_id)["tokens"] > start + 3
-            )
-        )
+
+        def progressed(start: int = start) -> bool:
+            status = job(server.base_url, job_id)
+            return status["state"] == "running" and status["tokens"] > start + 3
+
+        wait_until(progressed)
         t0 = time.monotonic()
         resp = submit_stream(server.base_url, SHORT)
         first = read_events(resp, limit=1)
