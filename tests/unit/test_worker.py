@@ -1,0 +1,123 @@
+"""The worker loop with fakeredis and the fake engine."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+
+import fakeredis
+import numpy as np
+
+from jobs.engine import EngineError
+from jobs.generation import GenerationRequest
+from jobs.rqjobs import RQBridge
+from jobs.sampling import SamplingParams
+from jobs.store import Store
+from jobs.worker import Worker
+from scheduler.settings import Settings
+from tests.fakes import FakeEngine
+
+
+class FlakyEngine(FakeEngine):
+    def eval(self, tokens: Sequence[int], pos: int, seq: int = 0) -> np.ndarray:
+        if bytes(self.context[:4] + list(tokens)[:4]).startswith(b"boom"):
+            raise EngineError("llama_decode returned -1")
+        return super().eval(tokens, pos, seq)
+
+
+def _submit(store: Store, rq: RQBridge, job_id: str, prompt: bytes) -> None:
+    req = GenerationRequest("completion", "fake", list(prompt), 5, SamplingParams(temperature=0))
+    rq.create(job_id, "test")
+    store.enqueue(job_id, "completion", req.to_json(), 10, time.time())
+
+
+def _wait_state(store: Store, job_id: str, states: set[str]) -> dict[str, str]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        rec = store.get(job_id)
+        if rec and rec["state"] in states:
+            return rec
+        time.sleep(0.01)
+    raise AssertionError(f"{job_id} never reached {states}")
+
+
+def test_an_engine_error_fails_the_job_and_the_worker_carries_on(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    store = Store(fake_redis, settings)
+    rq = RQBridge(fake_redis, settings.queue_name, settings.result_ttl)
+    worker = Worker(settings, FlakyEngine(), fake_redis, name="w1")
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        _submit(store, rq, "bad", b"boom!")
+        _submit(store, rq, "good", b"fine")
+        bad = _wait_state(store, "bad", {"failed", "finished"})
+        good = _wait_state(store, "good", {"failed", "finished"})
+    finally:
+        worker.stop()
+        thread.join(timeout=10)
+    assert bad["state"] == "failed" and "llama_decode" in bad["error"]
+    events = store.events_after("bad", 0)
+    assert json.loads(events[-2][1])["error"]["code"] == "engine_error"
+    assert events[-1][1] == "[DONE]"
+    assert good["state"] == "finished" and good["tokens"] == "5"
+    assert rq.fetch("bad").get_status() == "failed"  # type: ignore[union-attr]
+    assert rq.fetch("good").get_status() == "finished"  # type: ignore[union-attr]
+
+
+def test_jobs_of_dead_workers_are_requeued_then_failed_after_the_crash_limit(
+    store: Store,
+) -> None:
+    store.enqueue("j", "completion", {}, 0, 1.0)
+    for crash in range(1, 4):
+        store.heartbeat(f"w{crash}", now=100.0 * crash, ttl=5)
+        claim = store.claim(f"w{crash}", 100.0 * crash)
+        assert claim is not None and claim.job_id == "j"
+        reaped = store.reap(now=100.0 * crash + 10)  # the heartbeat expired
+        assert [(r.worker, r.job_id) for r in reaped] == [(f"w{crash}", "j")]
+        rec = store.get("j")
+        assert rec is not None and rec["crashes"] == str(crash)
+        if crash < 3:
+            assert reaped[0].outcome == "requeued" and rec["state"] == "queued"
+            assert store.queue_position("j") == 0
+    assert reaped[0].outcome == "failed" and rec["state"] == "failed"
+    assert store.queue_position("j") is None
+    assert json.loads(store.events_after("j", 0)[0][1])["error"]["code"] == "worker_lost"
+
+
+def test_a_live_worker_is_never_reaped(store: Store) -> None:
+    store.enqueue("j", "completion", {}, 0, 1.0)
+    store.heartbeat("w", now=100.0, ttl=5)
+    store.claim("w", 100.0)
+    assert store.reap(now=104.0) == []
+    rec = store.get("j")
+    assert rec is not None and rec["state"] == "running"
+
+
+def test_cancel_while_parking_ends_cancelled(store: Store) -> None:
+    store.enqueue("j", "completion", {}, 0, 1.0)
+    claim = store.claim("w", 2.0)
+    assert claim is not None
+    store.r.hset(store.keys.worker("w"), "preempt", "1")
+    step = store.step("j", claim.exec_token, "w", 1, 1, ["x"])
+    assert step.flags == 2 and store.get("j")["state"] == "parking"  # type: ignore[index]
+    assert store.cancel("j", 3.0) == "cancelling"
+    assert store.park("j", claim.exec_token, "w", "{}", 4.0) == "cancelled"
+    rec = store.get("j")
+    assert rec is not None and rec["state"] == "cancelled" and "checkpoint" not in rec
+    assert store.queue_position("j") is None
+
+
+def test_park_requeues_with_the_original_score(store: Store) -> None:
+    store.enqueue("old", "completion", {}, 0, 1.0)
+    claim = store.claim("w", 2.0)
+    assert claim is not None
+    store.enqueue("newer", "completion", {}, 0, 5.0)
+    assert store.park("old", claim.exec_token, "w", '{"generated": []}', 6.0) == "parked"
+    rec = store.get("old")
+    assert rec is not None and rec["state"] == "parked" and rec["preemptions"] == "1"
+    # Same level, earlier arrival: the parked job is still ahead of the newer one.
+    assert store.queue_position("old") == 0 and store.queue_position("newer") == 1
