@@ -194,7 +194,7 @@ class LlamaEngine(Vocab):
         size = llama_cpp.llama_state_seq_get_size(self.ctx.ctx, seq)
         buf = (ctypes.c_uint8 * size)()
         n = llama_cpp.llama_state_seq_get_data(self.ctx.ctx, buf, size, seq)
-        return bytes(buf[:n])
+        return ctypes.string_at(buf, n)
 
     def load_seq(self, data: bytes, seq: int = 0) -> None:
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)

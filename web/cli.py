@@ -180,21 +180,29 @@ def make_test_model(path: Path, seed: int) -> None:
 
 @main.command()
 @_model_opt
-@click.option("--prompt", default="The history of the printing press", show_default=True)
-@click.option("--max-tokens", type=int, default=96, show_default=True)
-def demo(model: str | None, prompt: str, max_tokens: int) -> None:
-    """Start parkq, stream one completion from it, report speed, stop."""
+@click.option("--prompt", default="The history of the printing press", show_default=True,
+              help="Prompt of the long batch job.")  # fmt: skip
+@click.option("--max-tokens", type=int, default=400, show_default=True,
+              help="Length of the long batch job.")  # fmt: skip
+@click.option("--question", default="The capital of France is", show_default=True,
+              help="The short interactive request.")  # fmt: skip
+def demo(model: str | None, prompt: str, max_tokens: int, question: str) -> None:
+    """Start parkq; stream a long job; a short question parks it; it resumes."""
     from web.demo import run_demo
     from web.launcher import Stack
 
-    settings = _resolve_model(load_settings(model=model, port=0))
-    configure_logging("WARNING", settings.log_format)
+    settings = _resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
+    configure_logging(settings.log_level, settings.log_format)
     click.echo("parkq: starting (embedded Redis, web server, one worker)...")
     t0 = time.monotonic()
     with Stack(settings) as stack:
         click.echo(f"parkq is up at {stack.base_url} after {time.monotonic() - t0:.1f} s")
-        run_demo(stack.base_url, prompt, max_tokens, click.echo)
+        run_demo(stack.base_url, prompt, max_tokens, question, _write)
     click.echo("parkq: stopped.")
+
+
+def _write(text: str) -> None:
+    click.echo(text, nl=False)
 
 
 if __name__ == "__main__":

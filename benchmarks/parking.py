@@ -1,0 +1,186 @@
+"""Park and resume latency, checkpoint size, and short-request TTFT under load.
+
+    python -m benchmarks.parking [--model PATH] [--out FILE.json]
+
+Part 1 (in process, real llama.cpp and a real Redis): a generation with about
+500 and 1,500 tokens of context is parked and resumed 20 times each:
+park = save the sequence KV + write the state and requeue (one Lua call);
+resume = claim (one Lua call) + restore the state + load the KV.
+Part 2 (`parkq up` over HTTP): a short interactive completion's time to first
+token on an idle engine, and while a long batch job is running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis
+import requests
+
+from jobs.engine import LlamaEngine
+from jobs.generation import Generation, GenerationRequest
+from jobs.sampling import SamplingParams
+from jobs.store import Store
+from scheduler.settings import load_settings
+from web.launcher import Stack, embedded_redis_server, free_port
+
+
+def _pct(xs: list[float], p: float) -> float:
+    return float(np.percentile(xs, p))
+
+
+def park_resume(
+    model: str, chat_format: str | None, contexts: list[int], rounds: int
+) -> list[dict[str, Any]]:
+    tmp = tempfile.mkdtemp()
+    port = free_port()
+    server = subprocess.Popen([embedded_redis_server(), "--port", str(port), "--dir", tmp, "--save", ""],
+                              stdout=subprocess.DEVNULL)  # fmt: skip
+    time.sleep(0.3)
+    try:
+        settings = load_settings(redis_url=f"redis://127.0.0.1:{port}/0", model=model)
+        store = Store(redis.Redis.from_url(settings.redis_url or ""), settings)
+        engine = LlamaEngine(model, n_ctx=4096, n_batch=256, chat_format=chat_format)
+        results = []
+        for n in contexts:
+            prompt = engine.tokenize("word " * n)[: n - 8]
+            req = GenerationRequest("completion", "m", prompt, 64, SamplingParams(temperature=0))
+            gen = Generation("job", req, engine.token_bytes, engine.is_eog)
+            engine.clear()
+            for start in range(0, len(prompt), 256):
+                logits = engine.eval(prompt[start : start + 256], start)
+            gen.n_prefilled = len(prompt)
+            pos = len(prompt)
+            for _ in range(8):
+                tok = int(np.argmax(logits))
+                gen.accept(tok, logits)
+                logits = engine.eval([tok], pos)
+                pos += 1
+            gen.accept(int(np.argmax(logits)), logits)  # the pending token
+            store.enqueue("job", "completion", req.to_json(), 0, time.time())
+            claim = store.claim("bench", time.time())
+            assert claim is not None
+            parks, resumes, size = [], [], 0
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                kv = engine.save_seq()
+                store.park("job", claim.exec_token, "bench", json.dumps(gen.state()), time.time())
+                parks.append(time.perf_counter() - t0)
+                size = len(kv)
+                engine.clear()
+                t0 = time.perf_counter()
+                claim = store.claim("bench", time.time())
+                assert claim is not None
+                record = store.get("job") or {}
+                gen = Generation.restore("job", req, engine.token_bytes, engine.is_eog,
+                                         json.loads(record["checkpoint"]))  # fmt: skip
+                engine.load_seq(kv)
+                resumes.append(time.perf_counter() - t0)
+            store.r.delete(store.keys.job("job"))
+            results.append({
+                "context_tokens": gen.n_past,
+                "checkpoint_bytes": size,
+                "park_ms_p50": _pct(parks, 50) * 1000, "park_ms_p95": _pct(parks, 95) * 1000,
+                "resume_ms_p50": _pct(resumes, 50) * 1000, "resume_ms_p95": _pct(resumes, 95) * 1000,
+            })  # fmt: skip
+        engine.close()
+        return results
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def _ttft(base: str, body: dict[str, Any]) -> float:
+    """Time to the first token; reads the stream to its end, so the job is over."""
+    t0 = time.monotonic()
+    first = None
+    with requests.post(
+        f"{base}/v1/completions", json={**body, "stream": True}, stream=True, timeout=600
+    ) as r:
+        for line in r.iter_lines():
+            if first is None and line.startswith(b"data: {"):
+                first = time.monotonic() - t0
+    if first is None:
+        raise RuntimeError("no token")
+    return first
+
+
+def ttft_under_load(model: str, chat_format: str | None, samples: int) -> dict[str, Any]:
+    settings = load_settings(model=model, port=0, chat_format=chat_format, log_level="WARNING")
+    short = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    long = {"prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0,
+            "ignore_eos": True, "priority": "batch"}  # fmt: skip
+    with Stack(settings) as stack:
+        base = stack.base_url
+        _ttft(base, short)  # warm up
+        idle = [_ttft(base, short) for _ in range(samples)]
+        busy, preemptions = [], 0
+        for _ in range(samples):
+            r = requests.post(
+                f"{base}/v1/completions", json={**long, "stream": True}, stream=True, timeout=600
+            )
+            job_id = r.headers["X-Job-Id"]
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith(b"data: {"):
+                    break
+            time.sleep(0.5)
+            busy.append(_ttft(base, short))
+            requests.delete(f"{base}/v1/jobs/{job_id}", timeout=10)
+            for _ in lines:
+                pass
+            r.close()
+            preemptions += requests.get(f"{base}/v1/jobs/{job_id}", timeout=10).json()[
+                "preemptions"
+            ]
+    return {
+        "idle_ms_p50": statistics.median(idle) * 1000, "idle_ms_p95": _pct(idle, 95) * 1000,
+        "busy_ms_p50": statistics.median(busy) * 1000, "busy_ms_p95": _pct(busy, 95) * 1000,
+        "samples": samples, "preemptions": preemptions,
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", help="GGUF path (default: the demo model)")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--out", default="bench-results/parking.json")
+    args = ap.parse_args()
+    model, chat_format = args.model, None
+    if model is None:
+        from jobs.demo_model import DEMO_CHAT_FORMAT, assemble_demo_model, demo_model_target
+
+        target = demo_model_target(None)
+        model = str(target if target.exists() else assemble_demo_model(target))
+        chat_format = DEMO_CHAT_FORMAT
+    results = {
+        "model": Path(model).name,
+        "park_resume": park_resume(model, chat_format, [500, 1500], args.rounds),
+        "short_ttft": ttft_under_load(model, chat_format, args.samples),
+    }
+    print(f"model {results['model']}")
+    for r in results["park_resume"]:
+        print(f"  {r['context_tokens']:>5} tokens of context: checkpoint {r['checkpoint_bytes'] / 1e6:.2f} MB, "
+              f"park p50 {r['park_ms_p50']:.2f} ms p95 {r['park_ms_p95']:.2f} ms, "
+              f"resume p50 {r['resume_ms_p50']:.2f} ms p95 {r['resume_ms_p95']:.2f} ms")  # fmt: skip
+    t = results["short_ttft"]
+    print(f"  short request TTFT: idle p50 {t['idle_ms_p50']:.0f} ms p95 {t['idle_ms_p95']:.0f} ms; "
+          f"while a long job runs p50 {t['busy_ms_p50']:.0f} ms p95 {t['busy_ms_p95']:.0f} ms "
+          f"({t['preemptions']} preemptions in {t['samples']} samples)")  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
