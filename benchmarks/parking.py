@@ -42,8 +42,10 @@ def park_resume(
 ) -> list[dict[str, Any]]:
     tmp = tempfile.mkdtemp()
     port = free_port()
-    server = subprocess.Popen([embedded_redis_server(), "--port", str(port), "--dir", tmp, "--save", ""],
-                              stdout=subprocess.DEVNULL)  # fmt: skip
+    server = subprocess.Popen(
+        [embedded_redis_server(), "--port", str(port), "--dir", tmp, "--save", ""],
+        stdout=subprocess.DEVNULL,
+    )
     time.sleep(0.3)
     try:
         settings = load_settings(redis_url=f"redis://127.0.0.1:{port}/0", model=model)
@@ -80,17 +82,22 @@ def park_resume(
                 claim = store.claim("bench", time.time())
                 assert claim is not None
                 record = store.get("job") or {}
-                gen = Generation.restore("job", req, engine.token_bytes, engine.is_eog,
-                                         json.loads(record["checkpoint"]))  # fmt: skip
+                gen = Generation.restore(
+                    "job", req, engine.token_bytes, engine.is_eog, json.loads(record["checkpoint"])
+                )
                 engine.load_seq(kv)
                 resumes.append(time.perf_counter() - t0)
             store.r.delete(store.keys.job("job"))
-            results.append({
-                "context_tokens": gen.n_past,
-                "checkpoint_bytes": size,
-                "park_ms_p50": _pct(parks, 50) * 1000, "park_ms_p95": _pct(parks, 95) * 1000,
-                "resume_ms_p50": _pct(resumes, 50) * 1000, "resume_ms_p95": _pct(resumes, 95) * 1000,
-            })  # fmt: skip
+            results.append(
+                {
+                    "context_tokens": gen.n_past,
+                    "checkpoint_bytes": size,
+                    "park_ms_p50": _pct(parks, 50) * 1000,
+                    "park_ms_p95": _pct(parks, 95) * 1000,
+                    "resume_ms_p50": _pct(resumes, 50) * 1000,
+                    "resume_ms_p95": _pct(resumes, 95) * 1000,
+                }
+            )
         engine.close()
         return results
     finally:
@@ -116,8 +123,13 @@ def _ttft(base: str, body: dict[str, Any]) -> float:
 def ttft_under_load(model: str, chat_format: str | None, samples: int) -> dict[str, Any]:
     settings = load_settings(model=model, port=0, chat_format=chat_format, log_level="WARNING")
     short = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
-    long = {"prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0,
-            "ignore_eos": True, "priority": "batch"}  # fmt: skip
+    long = {
+        "prompt": "Once upon a time",
+        "max_tokens": 3000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "priority": "batch",
+    }
     with Stack(settings) as stack:
         base = stack.base_url
         _ttft(base, short)  # warm up
@@ -142,10 +154,13 @@ def ttft_under_load(model: str, chat_format: str | None, samples: int) -> dict[s
                 "preemptions"
             ]
     return {
-        "idle_ms_p50": statistics.median(idle) * 1000, "idle_ms_p95": _pct(idle, 95) * 1000,
-        "busy_ms_p50": statistics.median(busy) * 1000, "busy_ms_p95": _pct(busy, 95) * 1000,
-        "samples": samples, "preemptions": preemptions,
-    }  # fmt: skip
+        "idle_ms_p50": statistics.median(idle) * 1000,
+        "idle_ms_p95": _pct(idle, 95) * 1000,
+        "busy_ms_p50": statistics.median(busy) * 1000,
+        "busy_ms_p95": _pct(busy, 95) * 1000,
+        "samples": samples,
+        "preemptions": preemptions,
+    }
 
 
 def main() -> None:
@@ -169,13 +184,18 @@ def main() -> None:
     }
     print(f"model {results['model']}")
     for r in results["park_resume"]:
-        print(f"  {r['context_tokens']:>5} tokens of context: checkpoint {r['checkpoint_bytes'] / 1e6:.2f} MB, "
-              f"park p50 {r['park_ms_p50']:.2f} ms p95 {r['park_ms_p95']:.2f} ms, "
-              f"resume p50 {r['resume_ms_p50']:.2f} ms p95 {r['resume_ms_p95']:.2f} ms")  # fmt: skip
+        print(
+            f"  {r['context_tokens']:>5} tokens of context: "
+            f"checkpoint {r['checkpoint_bytes'] / 1e6:.2f} MB, "
+            f"park p50 {r['park_ms_p50']:.2f} ms p95 {r['park_ms_p95']:.2f} ms, "
+            f"resume p50 {r['resume_ms_p50']:.2f} ms p95 {r['resume_ms_p95']:.2f} ms"
+        )
     t = results["short_ttft"]
-    print(f"  short request TTFT: idle p50 {t['idle_ms_p50']:.0f} ms p95 {t['idle_ms_p95']:.0f} ms; "
-          f"while a long job runs p50 {t['busy_ms_p50']:.0f} ms p95 {t['busy_ms_p95']:.0f} ms "
-          f"({t['preemptions']} preemptions in {t['samples']} samples)")  # fmt: skip
+    print(
+        f"  short request TTFT: idle p50 {t['idle_ms_p50']:.0f} ms p95 {t['idle_ms_p95']:.0f} ms; "
+        f"while a long job runs p50 {t['busy_ms_p50']:.0f} ms p95 {t['busy_ms_p95']:.0f} ms "
+        f"({t['preemptions']} preemptions in {t['samples']} samples)"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
