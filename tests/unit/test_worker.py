@@ -121,3 +121,30 @@ def test_park_requeues_with_the_original_score(store: Store) -> None:
     assert rec is not None and rec["state"] == "parked" and rec["preemptions"] == "1"
     # Same level, earlier arrival: the parked job is still ahead of the newer one.
     assert store.queue_position("old") == 0 and store.queue_position("newer") == 1
+
+
+def test_a_parked_job_waits_for_its_checkpoint_holder_then_anyone_may_take_it(
+    store: Store, settings: Settings
+) -> None:
+    store.enqueue("j", "completion", {}, 0, 1.0)
+    store.heartbeat("holder", now=10.0, ttl=100)
+    store.heartbeat("other", now=10.0, ttl=100)
+    claim = store.claim("holder", 10.0)
+    assert claim is not None
+    store.park("j", claim.exec_token, "holder", "{}", 11.0)
+    soon = 11.0 + settings.affinity_seconds / 2
+    assert store.claim("other", soon) is None  # left to the holder for a while
+    late = 11.0 + settings.affinity_seconds + 0.1
+    again = store.claim("other", late)
+    assert again is not None and again.job_id == "j"
+    assert again.previous_state.value == "parked"
+
+
+def test_the_holder_takes_its_parked_job_back_at_once(store: Store) -> None:
+    store.enqueue("j", "completion", {}, 0, 1.0)
+    store.heartbeat("holder", now=10.0, ttl=100)
+    claim = store.claim("holder", 10.0)
+    assert claim is not None
+    store.park("j", claim.exec_token, "holder", "{}", 11.0)
+    again = store.claim("holder", 11.01)
+    assert again is not None and again.job_id == "j"
