@@ -12,6 +12,7 @@ import pytest
 import requests
 
 from tests.integration.conftest import start_parkq, stop_parkq
+from tests.integration.helpers import job, read_events, submit_stream, wait_until
 
 PARKQ = [sys.executable, "-m", "web.cli"]
 
@@ -69,3 +70,24 @@ def test_up_with_embedded_redis_stops_every_child_on_sigterm(tiny_model: Path) -
     finally:
         assert stop_parkq(proc) == 0
     assert not [k for k in kids if _alive(k)]
+
+
+def test_no_preempt_keeps_priority_order_without_interrupting(tiny_model: Path) -> None:
+    env = {"PARKQ_N_BATCH": "16", "PARKQ_MIN_RUN_SECONDS": "0.05"}
+    proc, base = start_parkq(tiny_model, None, "--no-preempt", env=env)
+    try:
+        long = submit_stream(base, {"prompt": "long", "max_tokens": 1500, "ignore_eos": True,
+                                    "priority": "batch", "temperature": 0})  # fmt: skip
+        long_id = long.headers["X-Job-Id"]
+        wait_until(lambda: job(base, long_id)["tokens"] > 10)
+        short = submit_stream(base, {"prompt": "short", "max_tokens": 4})
+        short_id = short.headers["X-Job-Id"]
+        assert read_events(short)[-1][1] == "[DONE]"
+        read_events(long)
+        long.close()
+        short.close()
+        long_job, short_job = job(base, long_id), job(base, short_id)
+        assert long_job["preemptions"] == 0 and long_job["state"] == "finished"
+        assert short_job["started_at"] >= long_job["finished_at"]
+    finally:
+        assert stop_parkq(proc) == 0
