@@ -25,6 +25,7 @@ import numpy as np
 import redis
 import requests
 
+from benchmarks import model_and_chat_format
 from jobs.engine import LlamaEngine
 from jobs.generation import Generation, GenerationRequest
 from jobs.sampling import SamplingParams
@@ -170,13 +171,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--out", default="bench-results/parking.json")
     args = ap.parse_args()
-    model, chat_format = args.model, None
-    if model is None:
-        from jobs.demo_model import DEMO_CHAT_FORMAT, assemble_demo_model, demo_model_target
-
-        target = demo_model_target(None)
-        model = str(target if target.exists() else assemble_demo_model(target))
-        chat_format = DEMO_CHAT_FORMAT
+    model, chat_format = model_and_chat_format(args.model)
     results = {
         "model": Path(model).name,
         "park_resume": park_resume(model, chat_format, [500, 1500], args.rounds),

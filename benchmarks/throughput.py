@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import requests
 
+from benchmarks import model_and_chat_format
+
 PROMPT = "The history of the printing press"
 
 
@@ -111,14 +113,7 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=4096)
     ap.add_argument("--out", default="bench-results/throughput.json")
     args = ap.parse_args()
-    chat_format = None
-    model = args.model
-    if model is None:
-        from jobs.demo_model import DEMO_CHAT_FORMAT, assemble_demo_model, demo_model_target
-
-        target = demo_model_target(None)
-        model = str(target if target.exists() else assemble_demo_model(target))
-        chat_format = DEMO_CHAT_FORMAT
+    model, chat_format = model_and_chat_format(args.model)
     results = {
         "model": Path(model).name,
         "llama_cpp_python": bare_llama(model, args.n_ctx, args.tokens, chat_format),

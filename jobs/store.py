@@ -29,7 +29,9 @@ CANCEL_EVENTS = [error_event("The job was cancelled.", "cancelled", "job_cancell
 
 
 def _script(name: str) -> str:
-    return resources.files("scheduler").joinpath("lua", f"{name}.lua").read_text()
+    """A script's text, after the shared helpers of ``lib.lua``."""
+    lua = resources.files("scheduler").joinpath("lua")
+    return lua.joinpath("lib.lua").read_text() + lua.joinpath(f"{name}.lua").read_text()
 
 
 def _states(*states: JobState) -> str:

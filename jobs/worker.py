@@ -92,13 +92,15 @@ class Worker:
         self.rq.heartbeat(int(self.settings.worker_ttl) + 60)
         for reaped in self.store.reap(now):
             self.rq.forget_worker(reaped.worker)
-            if reaped.job_id:
-                log.warning(
-                    "job %s: worker %s died; job %s", reaped.job_id, reaped.worker, reaped.outcome
-                )
-                self.rq.requeued(reaped.job_id) if reaped.outcome == "requeued" else self.rq.ended(
-                    reaped.job_id, "failed", error="worker lost"
-                )
+            if not reaped.job_id:
+                continue
+            log.warning(
+                "job %s: worker %s died; job %s", reaped.job_id, reaped.worker, reaped.outcome
+            )
+            if reaped.outcome == "requeued":
+                self.rq.requeued(reaped.job_id)
+            elif reaped.outcome == "failed":
+                self.rq.ended(reaped.job_id, "failed", error="worker lost")
         held = self.checkpoints.job_ids()
         if held:
             for job_id, state in self.store.job_states(held).items():

@@ -8,24 +8,14 @@ local state = redis.call('HGET', KEYS[1], 'state')
 if not state then
   return false
 end
-local now_states, flag_states = {}, {}
-for s in string.gmatch(ARGV[5], '[^,]+') do now_states[s] = true end
-for s in string.gmatch(ARGV[6], '[^,]+') do flag_states[s] = true end
-if now_states[state] then
+if state_set(ARGV[5])[state] then
   redis.call('ZREM', KEYS[2], ARGV[1])
-  for i = 7, #ARGV do
-    local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1)
-    redis.call('XADD', KEYS[3], seq .. '-0', 'd', ARGV[i])
-    redis.call('PUBLISH', ARGV[2], seq .. ' ' .. ARGV[i])
-  end
-  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_at', ARGV[3],
-             'finish_reason', 'cancelled')
-  redis.call('HDEL', KEYS[1], 'checkpoint')
-  redis.call('EXPIRE', KEYS[1], ARGV[4])
-  redis.call('EXPIRE', KEYS[3], ARGV[4])
+  emit_after(KEYS[1], KEYS[3], ARGV[2], 7)
+  redis.call('HSET', KEYS[1], 'finish_reason', 'cancelled')
+  end_job(KEYS[1], KEYS[3], 'cancelled', ARGV[3], ARGV[4])
   return 'cancelled'
 end
-if flag_states[state] then
+if state_set(ARGV[6])[state] then
   redis.call('HSET', KEYS[1], 'cancel', '1')
   return 'cancelling'
 end

@@ -6,8 +6,7 @@
 -- A parked job whose checkpoint lives on another live worker is left to that
 -- worker for `affinity seconds` after it was parked; then anyone may take it.
 -- Returns {id, execution token, previous state} or false when nothing fits.
-local claimable = {}
-for s in string.gmatch(ARGV[4], '[^,]+') do claimable[s] = true end
+local claimable = state_set(ARGV[4])
 local now = tonumber(ARGV[3])
 local affinity = tonumber(ARGV[5])
 local top = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[6]) - 1)

@@ -9,33 +9,14 @@
 if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
   return -1
 end
-local allowed = {}
-for s in string.gmatch(ARGV[4], '[^,]+') do allowed[s] = true end
-local state = redis.call('HGET', KEYS[1], 'state')
-if not allowed[state] then
+if not state_set(ARGV[4])[redis.call('HGET', KEYS[1], 'state')] then
   return -2
 end
 local n = tonumber(ARGV[9])
-local have = tonumber(redis.call('HGET', KEYS[1], 'seq'))
-local seq = tonumber(ARGV[8])
-if seq <= 0 then seq = have + 1 end
-for i = 10 + 2 * n, #ARGV do
-  if seq > have then
-    redis.call('XADD', KEYS[2], seq .. '-0', 'd', ARGV[i])
-    redis.call('PUBLISH', ARGV[2], seq .. ' ' .. ARGV[i])
-    have = seq
-  end
-  seq = seq + 1
-end
-redis.call('HSET', KEYS[1], 'state', ARGV[3], 'finished_at', ARGV[5], 'seq', have)
+emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[8]), 10 + 2 * n)
 if n > 0 then
   redis.call('HSET', KEYS[1], unpack(ARGV, 10, 9 + 2 * n))
 end
-redis.call('HDEL', KEYS[1], 'cancel', 'checkpoint')
-redis.call('EXPIRE', KEYS[1], ARGV[6])
-redis.call('EXPIRE', KEYS[2], ARGV[6])
-if redis.call('HGET', KEYS[3], 'exec') == ARGV[1] then
-  redis.call('HDEL', KEYS[3], 'job', 'exec', 'since', 'key', 'preempt')
-  redis.call('ZREM', KEYS[4], ARGV[7])
-end
+end_job(KEYS[1], KEYS[2], ARGV[3], ARGV[5], ARGV[6])
+release_worker(KEYS[3], KEYS[4], ARGV[7], ARGV[1])
 return 1

@@ -8,24 +8,14 @@
 if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
   return -1
 end
-local id = redis.call('HGET', KEYS[1], 'id')
-if redis.call('HGET', KEYS[3], 'exec') == ARGV[1] then
-  redis.call('HDEL', KEYS[3], 'job', 'exec', 'since', 'key', 'preempt')
-  redis.call('ZREM', KEYS[4], ARGV[4])
-end
+release_worker(KEYS[3], KEYS[4], ARGV[4], ARGV[1])
 if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then
-  for i = 7, #ARGV do
-    local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1)
-    redis.call('XADD', KEYS[6], seq .. '-0', 'd', ARGV[i])
-    redis.call('PUBLISH', ARGV[5], seq .. ' ' .. ARGV[i])
-  end
-  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished_at', ARGV[2],
-             'finish_reason', 'cancelled')
-  redis.call('HDEL', KEYS[1], 'cancel', 'checkpoint')
-  redis.call('EXPIRE', KEYS[1], ARGV[6])
-  redis.call('EXPIRE', KEYS[6], ARGV[6])
+  emit_after(KEYS[1], KEYS[6], ARGV[5], 7)
+  redis.call('HSET', KEYS[1], 'finish_reason', 'cancelled')
+  end_job(KEYS[1], KEYS[6], 'cancelled', ARGV[2], ARGV[6])
   return 'cancelled'
 end
+local id = redis.call('HGET', KEYS[1], 'id')
 redis.call('HSET', KEYS[1], 'state', 'parked', 'checkpoint', ARGV[3],
            'ckpt_worker', ARGV[4], 'ckpt_exec', ARGV[1], 'parked_at', ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'preemptions', 1)

@@ -21,15 +21,9 @@ for _, w in ipairs(dead) do
       local crashes = redis.call('HINCRBY', job, 'crashes', 1)
       if crashes >= tonumber(ARGV[6]) then
         local events = ARGV[4] .. id
-        for i = 8, #ARGV do
-          local seq = redis.call('HINCRBY', job, 'seq', 1)
-          redis.call('XADD', events, seq .. '-0', 'd', ARGV[i])
-          redis.call('PUBLISH', ARGV[5] .. id, seq .. ' ' .. ARGV[i])
-        end
-        redis.call('HSET', job, 'state', 'failed', 'finished_at', ARGV[1],
-                   'error', 'the job lost its worker ' .. crashes .. ' times')
-        redis.call('EXPIRE', job, ARGV[7])
-        redis.call('EXPIRE', events, ARGV[7])
+        emit_after(job, events, ARGV[5] .. id, 8)
+        redis.call('HSET', job, 'error', 'the job lost its worker ' .. crashes .. ' times')
+        end_job(job, events, 'failed', ARGV[1], ARGV[7])
         outcome = 'failed'
       else
         redis.call('HSET', job, 'state', 'queued')

@@ -5,25 +5,14 @@
 -- KEYS: job hash, events stream, worker hash, queue zset
 -- ARGV: execution token, channel, tokens generated so far, sequence number of
 --       the first payload, payload, payload, ...
--- Payloads whose sequence number is already in the stream are skipped (a
--- generation replayed after a crash re-creates events its client already has).
 -- Returns -1 when the execution token is stale (another execution owns the
 -- job: nothing is written), else {flags, queue head score or false}, flags a
 -- bit set: 1 cancel requested, 2 preempt (the job is then marked parking).
 if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
   return -1
 end
-local have = tonumber(redis.call('HGET', KEYS[1], 'seq'))
-local seq = tonumber(ARGV[4])
-for i = 5, #ARGV do
-  if seq > have then
-    redis.call('XADD', KEYS[2], seq .. '-0', 'd', ARGV[i])
-    redis.call('PUBLISH', ARGV[2], seq .. ' ' .. ARGV[i])
-    have = seq
-  end
-  seq = seq + 1
-end
-redis.call('HSET', KEYS[1], 'seq', have, 'tokens', ARGV[3])
+emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[4]), 5)
+redis.call('HSET', KEYS[1], 'tokens', ARGV[3])
 local flags = 0
 if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then
   flags = flags + 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -64,3 +65,23 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def read_with_reconnects(
+    base_url: str, job_id: str, resp: requests.Response, per_connection: int
+) -> list[tuple[int, str]]:
+    """Read a job's stream to its end, reconnecting with Last-Event-ID every
+    ``per_connection`` events (and after a broken connection)."""
+    seen: list[tuple[int, str]] = []
+    while True:
+        with contextlib.suppress(requests.RequestException):
+            seen.extend(read_events(resp, limit=per_connection))
+        resp.close()
+        if seen and seen[-1][1] == "[DONE]":
+            return seen
+        resp = requests.get(
+            f"{base_url}/v1/jobs/{job_id}/events",
+            headers={"Last-Event-ID": str(seen[-1][0] if seen else 0)},
+            stream=True,
+            timeout=60,
+        )

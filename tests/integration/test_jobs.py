@@ -5,55 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-from typing import Any
 
 import requests
 
 from tests.integration.conftest import Server
-
-
-def _submit_stream(server: Server, body: dict[str, Any]) -> requests.Response:
-    resp = requests.post(
-        server.base_url + "/v1/completions", json={**body, "stream": True}, stream=True, timeout=60
-    )
-    resp.raise_for_status()
-    return resp
-
-
-def _events(resp: requests.Response, limit: int | None = None) -> list[tuple[int, str]]:
-    """Read SSE events (id, data) until [DONE] or ``limit`` events."""
-    out: list[tuple[int, str]] = []
-    event_id = None
-    for line in resp.iter_lines(decode_unicode=True):
-        if line.startswith("id: "):
-            event_id = int(line[4:])
-        elif line.startswith("data: "):
-            assert event_id is not None
-            out.append((event_id, line[6:]))
-            if line[6:] == "[DONE]" or (limit is not None and len(out) >= limit):
-                break
-    return out
-
-
-def _text(events: list[tuple[int, str]]) -> str:
-    parts = []
-    for _, data in events:
-        if data != "[DONE]":
-            parts += [c["text"] for c in json.loads(data)["choices"]]
-    return "".join(parts)
-
-
-def _job(server: Server, job_id: str) -> dict[str, Any]:
-    return requests.get(f"{server.base_url}/v1/jobs/{job_id}", timeout=10).json()
-
-
-def _wait(predicate, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
+from tests.integration.helpers import completion_text, job, read_events, submit_stream, wait_until
 
 LONG = {"prompt": "A long story", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
 
@@ -61,9 +17,9 @@ LONG = {"prompt": "A long story", "max_tokens": 3000, "temperature": 0, "ignore_
 def test_reconnect_with_last_event_id_yields_every_token_once(server: Server) -> None:
     body = {"prompt": "Reconnect", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
     reference = requests.post(server.base_url + "/v1/completions", json=body, timeout=60).json()
-    first = _submit_stream(server, body)
+    first = submit_stream(server.base_url, body)
     job_id = first.headers["X-Job-Id"]
-    part1 = _events(first, limit=25)
+    part1 = read_events(first, limit=25)
     first.close()
     seen = part1
     # Reconnect twice more, each time from the last event id received.
@@ -74,60 +30,64 @@ def test_reconnect_with_last_event_id_yields_every_token_once(server: Server) ->
             stream=True,
             timeout=60,
         )
-        seen = seen + _events(resp, limit)
+        seen = seen + read_events(resp, limit)
         resp.close()
     ids = [i for i, _ in seen]
     assert ids == list(range(1, len(ids) + 1))
     assert seen[-1][1] == "[DONE]"
-    assert _text(seen) == reference["choices"][0]["text"]
+    assert completion_text(seen) == reference["choices"][0]["text"]
 
 
 def test_cancel_a_running_job_stops_it(server: Server) -> None:
-    resp = _submit_stream(server, LONG)
+    resp = submit_stream(server.base_url, LONG)
     job_id = resp.headers["X-Job-Id"]
-    _wait(lambda: _job(server, job_id)["tokens"] > 10)
+    wait_until(lambda: job(server.base_url, job_id)["tokens"] > 10)
     cancel = requests.delete(f"{server.base_url}/v1/jobs/{job_id}", timeout=10)
     assert cancel.status_code == 202
-    events = _events(resp)
+    events = read_events(resp)
     assert events[-1][1] == "[DONE]"
     assert json.loads(events[-2][1])["error"]["code"] == "job_cancelled"
-    job = _job(server, job_id)
-    assert job["state"] == "cancelled" and job["tokens"] < 3000
+    status = job(server.base_url, job_id)
+    assert status["state"] == "cancelled" and status["tokens"] < 3000
 
 
 def test_cancel_a_queued_job_it_never_runs(server: Server) -> None:
-    long = _submit_stream(server, LONG)
+    long = submit_stream(server.base_url, LONG)
     long_id = long.headers["X-Job-Id"]
-    _wait(lambda: _job(server, long_id)["state"] == "running")
-    queued = _submit_stream(server, {"prompt": "never", "max_tokens": 5})
+    wait_until(lambda: job(server.base_url, long_id)["state"] == "running")
+    queued = submit_stream(server.base_url, {"prompt": "never", "max_tokens": 5})
     queued_id = queued.headers["X-Job-Id"]
-    assert _job(server, queued_id)["state"] == "queued"
+    assert job(server.base_url, queued_id)["state"] == "queued"
     assert requests.delete(f"{server.base_url}/v1/jobs/{queued_id}", timeout=10).json() == {
         "id": queued_id,
         "object": "job",
         "state": "cancelled",
     }
-    events = _events(queued)
+    events = read_events(queued)
     assert [d for _, d in events][-1] == "[DONE]"
     requests.delete(f"{server.base_url}/v1/jobs/{long_id}", timeout=10)
-    _events(long)
-    job = _job(server, queued_id)
-    assert job["state"] == "cancelled" and job["started_at"] is None and job["tokens"] == 0
+    read_events(long)
+    status = job(server.base_url, queued_id)
+    assert status["state"] == "cancelled" and status["started_at"] is None and status["tokens"] == 0
 
 
 def test_waiting_jobs_run_in_priority_order(server: Server) -> None:
-    long = _submit_stream(server, LONG)
+    long = submit_stream(server.base_url, LONG)
     long_id = long.headers["X-Job-Id"]
-    _wait(lambda: _job(server, long_id)["state"] == "running")
-    batch = _submit_stream(server, {"prompt": "batch", "max_tokens": 4, "priority": "batch"})
-    inter = _submit_stream(server, {"prompt": "chat", "max_tokens": 4, "priority": "interactive"})
+    wait_until(lambda: job(server.base_url, long_id)["state"] == "running")
+    batch = submit_stream(
+        server.base_url, {"prompt": "batch", "max_tokens": 4, "priority": "batch"}
+    )
+    inter = submit_stream(
+        server.base_url, {"prompt": "chat", "max_tokens": 4, "priority": "interactive"}
+    )
     batch_id, inter_id = batch.headers["X-Job-Id"], inter.headers["X-Job-Id"]
-    assert _job(server, inter_id)["queue_position"] == 0
-    assert _job(server, batch_id)["queue_position"] == 1
+    assert job(server.base_url, inter_id)["queue_position"] == 0
+    assert job(server.base_url, batch_id)["queue_position"] == 1
     requests.delete(f"{server.base_url}/v1/jobs/{long_id}", timeout=10)
     for resp in (long, batch, inter):
-        _events(resp)
-    b, i = _job(server, batch_id), _job(server, inter_id)
+        read_events(resp)
+    b, i = job(server.base_url, batch_id), job(server.base_url, inter_id)
     assert b["state"] == i["state"] == "finished"
     assert i["started_at"] < b["started_at"]
 

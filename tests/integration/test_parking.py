@@ -15,6 +15,7 @@ from tests.integration.helpers import (
     job,
     logprob_tokens,
     read_events,
+    read_with_reconnects,
     submit_stream,
     wait_until,
 )
@@ -130,28 +131,15 @@ def test_reconnecting_reader_across_parks_gets_every_event_once(server: Server) 
     resp = submit_stream(server.base_url, body)
     job_id = resp.headers["X-Job-Id"]
     seen: list[tuple[int, str]] = []
-    done = threading.Event()
 
     def reader() -> None:
-        nonlocal resp
-        while True:
-            seen.extend(read_events(resp, limit=150))
-            resp.close()
-            if seen[-1][1] == "[DONE]":
-                done.set()
-                return
-            resp = requests.get(
-                f"{server.base_url}/v1/jobs/{job_id}/events",
-                headers={"Last-Event-ID": str(seen[-1][0])},
-                stream=True,
-                timeout=60,
-            )
+        seen.extend(read_with_reconnects(server.base_url, job_id, resp, per_connection=150))
 
     thread = threading.Thread(target=reader)
     thread.start()
     _interrupt(server, job_id, 3)
     thread.join(timeout=60)
-    assert done.is_set()
+    assert seen and seen[-1][1] == "[DONE]"
     assert [i for i, _ in seen] == list(range(1, len(seen) + 1))
     assert completion_text(seen) == completion_text(reference)
 

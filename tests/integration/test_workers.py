@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from tests.integration.helpers import (
     completion_text,
     job,
     read_events,
+    read_with_reconnects,
     submit_stream,
     wait_until,
 )
@@ -95,23 +95,9 @@ def test_sigkill_mid_generation_another_worker_takes_over(cluster: Cluster) -> N
     resp = submit_stream(cluster.base_url, LONG)
     job_id = resp.headers["X-Job-Id"]
     seen: list[tuple[int, str]] = []
-    done = threading.Event()
 
     def reader() -> None:
-        nonlocal resp
-        while True:
-            with contextlib.suppress(requests.RequestException):
-                seen.extend(read_events(resp, limit=300))
-            resp.close()
-            if seen and seen[-1][1] == "[DONE]":
-                done.set()
-                return
-            resp = requests.get(
-                f"{cluster.base_url}/v1/jobs/{job_id}/events",
-                headers={"Last-Event-ID": str(seen[-1][0] if seen else 0)},
-                stream=True,
-                timeout=60,
-            )
+        seen.extend(read_with_reconnects(cluster.base_url, job_id, resp, per_connection=300))
 
     thread = threading.Thread(target=reader)
     thread.start()
@@ -120,7 +106,7 @@ def test_sigkill_mid_generation_another_worker_takes_over(cluster: Cluster) -> N
     cluster.procs[victim].send_signal(signal.SIGKILL)
     cluster.procs[victim].wait()
     thread.join(timeout=90)
-    assert done.is_set()
+    assert seen and seen[-1][1] == "[DONE]"
     final = job(cluster.base_url, job_id)
     assert final["state"] == "finished" and final["worker"] != victim
     assert [i for i, _ in seen] == list(range(1, len(seen) + 1))

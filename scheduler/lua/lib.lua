@@ -1,0 +1,55 @@
+-- Helpers shared by parkq's scripts: prepended to each script when it is loaded.
+
+-- The set of states in a comma-separated list.
+local function state_set(csv)
+  local set = {}
+  for s in string.gmatch(csv, '[^,]+') do set[s] = true end
+  return set
+end
+
+-- Append one event to a job's stream and announce it live.
+local function emit(events, channel, seq, payload)
+  redis.call('XADD', events, seq .. '-0', 'd', payload)
+  redis.call('PUBLISH', channel, seq .. ' ' .. payload)
+end
+
+-- Append ARGV[from..] right after the stream's last event.
+local function emit_after(job, events, channel, from)
+  for i = from, #ARGV do
+    emit(events, channel, redis.call('HINCRBY', job, 'seq', 1), ARGV[i])
+  end
+end
+
+-- Write ARGV[from..] numbered from `first` (0: right after the last event),
+-- skipping the ones the stream already has: a generation replayed after a
+-- crash re-creates events its client already received.
+local function emit_numbered(job, events, channel, first, from)
+  local have = tonumber(redis.call('HGET', job, 'seq'))
+  local seq = first
+  if seq <= 0 then seq = have + 1 end
+  for i = from, #ARGV do
+    if seq > have then
+      emit(events, channel, seq, ARGV[i])
+      have = seq
+    end
+    seq = seq + 1
+  end
+  redis.call('HSET', job, 'seq', have)
+end
+
+-- Put a job in a terminal state and let it and its stream expire.
+local function end_job(job, events, state, now, ttl)
+  redis.call('HSET', job, 'state', state, 'finished_at', now)
+  redis.call('HDEL', job, 'cancel', 'checkpoint')
+  redis.call('EXPIRE', job, ttl)
+  redis.call('EXPIRE', events, ttl)
+end
+
+-- Free a worker's slot if it still runs execution `exec`.
+local function release_worker(worker, running, name, exec)
+  if redis.call('HGET', worker, 'exec') == exec then
+    redis.call('HDEL', worker, 'job', 'exec', 'since', 'key', 'preempt', 'pinned')
+    redis.call('ZREM', running, name)
+  end
+end
+
