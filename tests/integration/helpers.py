@@ -22,7 +22,7 @@ def submit_stream(
 
 
 def read_events(resp: requests.Response, limit: int | None = None) -> list[tuple[int, str]]:
-    """Read SSE events (id, data) until [DONE] or ``limit`` events."""
+    """Read SSE events (id, data) until [DONE] (then close) or ``limit`` events."""
     out: list[tuple[int, str]] = []
     event_id = None
     # One line iterator per response: a new one would lose what the last one buffered.
@@ -33,7 +33,10 @@ def read_events(resp: requests.Response, limit: int | None = None) -> list[tuple
         elif line.startswith("data: "):
             assert event_id is not None
             out.append((event_id, line[6:]))
-            if line[6:] == "[DONE]" or (limit is not None and len(out) >= limit):
+            if line[6:] == "[DONE]":
+                resp.close()  # the stream is over
+                break
+            if limit is not None and len(out) >= limit:
                 break
     return out
 
