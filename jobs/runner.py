@@ -53,11 +53,13 @@ def drive(
     n_batch: int,
     kv: bytes | None = None,
     resume: bool = False,
+    ready: Callable[[], None] | None = None,
 ) -> Outcome:
     """Run ``gen`` until it finishes, is cancelled or is asked to park.
 
     ``kv`` restores a checkpoint of ``gen.n_past`` positions; with ``resume``
-    and no ``kv`` the positions are replayed first.
+    and no ``kv`` the positions are replayed first. ``ready`` is called once
+    the KV cache holds them.
     """
     ids = gen.request.prompt_ids
     engine.clear(0)
@@ -65,6 +67,8 @@ def drive(
         engine.load_seq(kv)
     elif resume and not _replay(engine, gen, n_batch, emit):
         return Outcome("cancelled", [])
+    if ready is not None:
+        ready()
     logits = None
     while not gen.prefilled:
         start = gen.n_prefilled

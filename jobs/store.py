@@ -335,6 +335,17 @@ class Store:
         items = [_text(x) for x in flat]
         return [Reaped(*items[i : i + 3]) for i in range(0, len(items), 3)]
 
+    def record(self, **samples: float) -> None:
+        """Keep recent measurements (the last 1,000 of each) for benchmarks and metrics."""
+        with self.r.pipeline(transaction=False) as p:
+            for name, value in samples.items():
+                p.lpush(self.keys.samples(name), repr(value))
+                p.ltrim(self.keys.samples(name), 0, 999)
+            p.execute()
+
+    def samples(self, name: str) -> list[float]:
+        return [float(x) for x in self.r.lrange(self.keys.samples(name), 0, -1)]
+
     def job_states(self, job_ids: list[str]) -> dict[str, str | None]:
         with self.r.pipeline(transaction=False) as p:
             for job_id in job_ids:

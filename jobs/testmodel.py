@@ -182,6 +182,8 @@ def write_test_model(path: str | Path, seed: int = 0) -> Path:
     w.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
     out = rand(n_vocab, N_EMBD, std=0.5)
     out[2] *= 0.25  # make end-of-sequence rare, so generations run long by default
+    # Make bytes 0x80-0xFF rare too: the output stays mostly valid UTF-8 text.
+    out[3 + 0x80 : 3 + 0x100] *= 0.1
     w.add_tensor("output.weight", out)
     for i in range(N_LAYER):
         p = f"blk.{i}."

@@ -111,6 +111,7 @@ class Worker:
     # -- one job ----------------------------------------------------------
 
     def execute(self, claim: Claim) -> None:
+        t_claim = time.perf_counter()
         job_id, token = claim.job_id, claim.exec_token
         record = self.store.get(job_id)
         if record is None:
@@ -153,6 +154,10 @@ class Worker:
                 self._check_preempt(step.head_key, my_key, since, last_check)
             return step.flags
 
+        def ready() -> None:
+            if kv is not None:  # resumed from a checkpoint: how long that took
+                self.store.record(resume_ms=(time.perf_counter() - t_claim) * 1000)
+
         try:
             outcome = drive(
                 self.engine,
@@ -161,6 +166,7 @@ class Worker:
                 self.settings.n_batch,
                 kv=kv,
                 resume=resume,
+                ready=ready,
             )
         except Fenced:
             log.warning("job %s: execution %s was superseded; dropping it", job_id, token)
@@ -213,13 +219,15 @@ class Worker:
             return
         if outcome == "parked":
             self.checkpoints.put(job_id, Checkpoint(claim.exec_token, gen.n_past, kv))
+            park_ms = (time.perf_counter() - t0) * 1000
+            self.store.record(park_ms=park_ms, checkpoint_bytes=len(kv))
             self.rq.requeued(job_id)
             log.info(
                 "job %s: parked after %d tokens (%d KV bytes, %.1f ms)",
                 job_id,
                 len(gen.generated),
                 len(kv),
-                (time.perf_counter() - t0) * 1000,
+                park_ms,
             )
         else:
             self.rq.ended(job_id, "canceled")

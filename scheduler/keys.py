@@ -76,6 +76,10 @@ class Keys:
         """Pub/sub channel announcing one job's new events live."""
         return f"{self.channel_prefix}{job_id}"
 
+    def samples(self, name: str) -> str:
+        """Capped list of recent measurements (park_ms, resume_ms, checkpoint_bytes)."""
+        return f"{self.base}:samples:{name}"
+
     def worker(self, name: str) -> str:
         """Hash of one worker: its job, execution token, since, key, preempt flag."""
         return f"{self.worker_prefix}{name}"

@@ -201,6 +201,54 @@ def demo(model: str | None, prompt: str, max_tokens: int, question: str) -> None
     click.echo("parkq: stopped.")
 
 
+@main.command()
+@_model_opt
+@click.option("--quick", is_flag=True, help="Tiny generated model, short run (under a minute).")
+@click.option("--duration", type=float, help="Seconds per mode [60; quick 6].")
+@click.option("--rate", type=float, help="Short requests per second (Poisson) [0.5; quick 2].")
+@click.option("--short-tokens", type=int, help="Output tokens of a short request [32; quick 16].")
+@click.option("--long-tokens", type=int, help="Output tokens of a long job [1024; quick 512].")
+@click.option("--long-prompt-words", type=int, default=64, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("bench-results"),
+    show_default=True,
+    help="Folder for bench.json and bench.png.",
+)
+def bench(model: str | None, quick: bool, duration: float | None, rate: float | None,
+          short_tokens: int | None, long_tokens: int | None, long_prompt_words: int,
+          seed: int, out: Path) -> None:  # fmt: skip
+    """Benchmark parkq against --no-preempt, llama_cpp.server and an idle engine."""
+    import tempfile
+
+    from jobs.engine import Vocab
+    from jobs.testmodel import write_test_model
+    from web.bench.report import run_bench
+    from web.bench.workload import Workload
+
+    if quick and model is None:
+        model = str(write_test_model(Path(tempfile.mkdtemp()) / "tiny.gguf"))
+    settings = _resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
+    configure_logging(settings.log_level, settings.log_format)
+    workload = Workload(
+        duration=duration or (6.0 if quick else 60.0),
+        short_rate=rate or (2.0 if quick else 0.5),
+        short_tokens=short_tokens or (16 if quick else 32),
+        long_tokens=long_tokens or (512 if quick else 1024),
+        long_prompt_words=long_prompt_words,
+        seed=seed,
+    )
+    vocab = Vocab(settings.model or "", settings.chat_format)
+    eos = sorted({t for t in (vocab.eos, *_eog_ids(vocab)) if t >= 0})
+    run_bench(settings, workload, eos, out, click.echo)
+
+
+def _eog_ids(vocab: Any) -> list[int]:
+    return [t for t in range(min(vocab.n_vocab, 300)) if vocab.is_eog(t)]
+
+
 def _write(text: str) -> None:
     click.echo(text, nl=False)
 

@@ -1,0 +1,175 @@
+"""Run the workload against each system under test and reduce what was seen."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import redis
+import requests
+
+from jobs.store import Store
+from scheduler.settings import Settings
+from web.bench.workload import SHORT_BODY, Observed, Request, Workload, play, stream
+from web.launcher import Stack, free_port
+
+__all__ = ["bare_decode_rate", "idle_ttft", "run_parkq", "run_peer", "summarize"]
+
+
+def _pct(values: list[float], p: float) -> float | None:
+    return float(np.percentile(values, p)) if values else None
+
+
+def _ms(values: list[float]) -> dict[str, float | None]:
+    ms = [v * 1000 for v in values]
+    return {"p50": _pct(ms, 50), "p95": _pct(ms, 95), "p99": _pct(ms, 99), "n": len(ms)}
+
+
+def summarize(obs: Observed) -> dict[str, Any]:
+    end = obs.start + obs.duration
+
+    def in_window(reqs: list[Request]) -> int:
+        return sum(1 for r in reqs for t in r.tokens if t <= end)
+
+    shorts, longs = obs.of("short"), obs.of("long")
+    long_tokens = in_window(longs)
+    return {
+        "short_ttft_ms": _ms([r.ttft for r in shorts if r.ttft is not None]),
+        "short_requests": len(shorts),
+        "short_unanswered": sum(1 for r in shorts if r.first is None),
+        "short_tokens_mean": float(np.mean([len(r.tokens) for r in shorts])) if shorts else None,
+        "long_tokens_per_s": long_tokens / obs.duration,
+        "aggregate_tokens_per_s": (long_tokens + in_window(shorts)) / obs.duration,
+        "long_jobs": len(longs),
+    }
+
+
+def timeline(obs: Observed) -> dict[str, Any]:
+    """Token arrival times, short arrivals and first tokens, relative to the start."""
+
+    def rel(ts: list[float]) -> list[float]:
+        return [round(t - obs.start, 4) for t in ts]
+
+    return {
+        "long_tokens": rel([t for r in obs.of("long") for t in r.tokens]),
+        "short_tokens": rel([t for r in obs.of("short") for t in r.tokens]),
+        "short_arrivals": rel([r.sent for r in obs.of("short")]),
+        "short_first": rel([r.first for r in obs.of("short") if r.first is not None]),
+        "short_ttft_ms": [round(r.ttft * 1000, 2) for r in obs.of("short") if r.ttft is not None],
+    }
+
+
+def run_parkq(settings: Settings, workload: Workload) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The workload against `parkq up` (its own embedded Redis)."""
+    with Stack(settings) as stack:
+        _warm(stack.base_url)
+        obs = play(stack.base_url, workload, {"ignore_eos": True})
+        store = Store(redis.Redis.from_url(stack.settings.redis_url or ""), stack.settings)
+        preemptions = 0
+        for r in obs.of("long"):
+            if r.job_id:
+                status = requests.get(f"{stack.base_url}/v1/jobs/{r.job_id}", timeout=10).json()
+                preemptions += int(status.get("preemptions", 0))
+        result = summarize(obs)
+        result.update(
+            preemptions=preemptions,
+            park_ms=_quantiles(store.samples("park_ms")),
+            resume_ms=_quantiles(store.samples("resume_ms")),
+            checkpoint_bytes=_quantiles(store.samples("checkpoint_bytes")),
+        )
+        store.r.close()
+    return result, timeline(obs)
+
+
+def _quantiles(values: list[float]) -> dict[str, float | None]:
+    return {"p50": _pct(values, 50), "p95": _pct(values, 95), "n": len(values)}
+
+
+@contextmanager
+def peer_server(settings: Settings) -> Iterator[str]:
+    """llama-cpp-python's own OpenAI server on the same model file."""
+    port = free_port()
+    threads = str(settings.n_threads or len(os.sched_getaffinity(0)))
+    argv = [sys.executable, "-m", "llama_cpp.server", "--model", settings.model or "",
+            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(settings.n_ctx),
+            "--n_threads", threads, "--n_threads_batch", threads]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    "llama_cpp.server exited; is llama-cpp-python[server] installed?"
+                )
+            try:
+                if requests.get(base + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("llama_cpp.server did not start")
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_peer(
+    settings: Settings, workload: Workload, eos: list[int]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    with peer_server(settings) as base:
+        _warm(base)
+        bias = {str(t): -100.0 for t in eos}  # the peer has no ignore_eos
+        obs = play(base, workload, {"logit_bias": bias})
+    return summarize(obs), timeline(obs)
+
+
+def idle_ttft(settings: Settings, workload: Workload, samples: int) -> dict[str, Any]:
+    """Short requests one at a time on an idle parkq engine: the baseline."""
+    with Stack(settings) as stack:
+        _warm(stack.base_url)
+        ttfts = []
+        body = {**SHORT_BODY, "max_tokens": workload.short_tokens, "ignore_eos": True}
+        for _ in range(samples):
+            req = Request("short", time.monotonic())
+            stream(f"{stack.base_url}/v1/completions", body, req)
+            if req.ttft is not None:
+                ttfts.append(req.ttft)
+    return {"short_ttft_ms": _ms(ttfts), "samples_ms": [round(t * 1000, 2) for t in ttfts]}
+
+
+def bare_decode_rate(settings: Settings, tokens: int) -> float:
+    """llama-cpp-python's own generation loop on the same model: tokens/s."""
+    from llama_cpp import Llama
+
+    threads = settings.n_threads or len(os.sched_getaffinity(0))
+    llm = Llama(model_path=settings.model or "", n_ctx=settings.n_ctx, n_batch=settings.n_batch,
+                n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip
+    ids = llm.tokenize(b"The history of the printing press")
+    first = time.perf_counter()
+    n = 0
+    for n, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1, reset=True), start=1):
+        if n == 1:
+            first = time.perf_counter()
+        if n >= tokens:
+            break
+    rate = (n - 1) / (time.perf_counter() - first)
+    llm.close()
+    return rate
+
+
+def _warm(base: str) -> None:
+    body = {"prompt": "warm up", "max_tokens": 4, "temperature": 0}
+    requests.post(f"{base}/v1/completions", json=body, timeout=600).raise_for_status()
