@@ -18,7 +18,7 @@ class Checkpoint:
     exec_token: str
     #: KV positions held.
     n_past: int
-    kv: bytes
+    kv: bytes | memoryview
 
 
 class CheckpointStore:

@@ -34,8 +34,8 @@ class Engine(Protocol):
     def token_bytes(self, token: int) -> bytes: ...
     def clear(self, seq: int = 0) -> None: ...
     def eval(self, tokens: Sequence[int], pos: int, seq: int = 0) -> np.ndarray: ...
-    def save_seq(self, seq: int = 0) -> bytes: ...
-    def load_seq(self, data: bytes, seq: int = 0) -> None: ...
+    def save_seq(self, seq: int = 0) -> bytes | memoryview: ...
+    def load_seq(self, data: bytes | memoryview, seq: int = 0) -> None: ...
 
 
 def _quiet() -> None:
@@ -189,14 +189,18 @@ class LlamaEngine(Vocab):
         ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, n - 1)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
-    def save_seq(self, seq: int = 0) -> bytes:
+    def save_seq(self, seq: int = 0) -> memoryview:
         """The KV state of one sequence (not the logits: see DESIGN.md)."""
         size = llama_cpp.llama_state_seq_get_size(self.ctx.ctx, seq)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data(self.ctx.ctx, buf, size, seq)
-        return ctypes.string_at(buf, n)
+        # Uninitialised memory that llama.cpp writes straight into: one copy, no zero-fill.
+        out = np.empty(size, dtype=np.uint8)
+        n = llama_cpp.llama_state_seq_get_data(
+            self.ctx.ctx, out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, seq
+        )
+        return memoryview(out[:n])
 
-    def load_seq(self, data: bytes, seq: int = 0) -> None:
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if llama_cpp.llama_state_seq_set_data(self.ctx.ctx, buf, len(data), seq) == 0:
+    def load_seq(self, data: bytes | memoryview, seq: int = 0) -> None:
+        view = np.frombuffer(data, dtype=np.uint8)
+        ptr = view.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if llama_cpp.llama_state_seq_set_data(self.ctx.ctx, ptr, len(view), seq) == 0:
             raise EngineError("llama_state_seq_set_data failed")

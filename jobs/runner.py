@@ -51,7 +51,7 @@ def drive(
     gen: Generation,
     emit: Emit,
     n_batch: int,
-    kv: bytes | None = None,
+    kv: bytes | memoryview | None = None,
     resume: bool = False,
     ready: Callable[[], None] | None = None,
 ) -> Outcome:

@@ -180,7 +180,9 @@ class Worker:
         else:
             self._end(claim, gen, outcome)
 
-    def _checkpoint_for(self, job_id: str, record: dict[str, str], gen: Generation) -> bytes | None:
+    def _checkpoint_for(
+        self, job_id: str, record: dict[str, str], gen: Generation
+    ) -> bytes | memoryview | None:
         checkpoint = self.checkpoints.take(job_id)
         if checkpoint is None:
             return None

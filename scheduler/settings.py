@@ -91,7 +91,7 @@ class Settings(BaseSettings):
         "(in seconds of waiting).",
     )
     min_run_seconds: float = Field(
-        0.25, ge=0, description="A job keeps the engine at least this long after it (re)starts."
+        0.1, ge=0, description="A job keeps the engine at least this long after it (re)starts."
     )
     affinity_seconds: float = Field(
         2.0,
