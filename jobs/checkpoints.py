@@ -58,3 +58,55 @@ class CheckpointStore:
 
     def drop(self, job_id: str) -> None:
         self.take(job_id)
+
+
+@dataclass(frozen=True)
+class Prefix:
+    #: The prompt token ids at positions 0.. of the saved KV.
+    tokens: tuple[int, ...]
+    kv: bytes | memoryview
+
+
+class PrefixCache:
+    """KV of finished jobs' prompts, for requests that start the same way
+    (a chat's next turn, another question about the same document).
+
+    Only whole prefill chunks are reused: the reused positions were computed
+    by exactly the engine calls a cold run makes, so a hit changes no logit.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self._items: OrderedDict[tuple[int, ...], Prefix] = OrderedDict()
+        self.bytes = 0
+
+    def put(self, tokens: list[int], kv: bytes | memoryview) -> None:
+        key = tuple(tokens)
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.bytes -= len(old.kv)
+        if len(kv) > self.budget:
+            return
+        self._items[key] = Prefix(key, kv)
+        self.bytes += len(kv)
+        while self.bytes > self.budget:
+            _, evicted = self._items.popitem(last=False)
+            self.bytes -= len(evicted.kv)
+
+    def best(self, prompt: list[int], chunk: int) -> tuple[Prefix, int] | None:
+        """The entry sharing the most whole chunks with ``prompt``, and how many
+        positions to keep (at least one prompt token is left to prefill)."""
+        limit = (len(prompt) - 1) // chunk * chunk
+        found: tuple[Prefix, int] | None = None
+        for entry in self._items.values():
+            n = 0
+            for a, b in zip(entry.tokens, prompt[:limit], strict=False):
+                if a != b:
+                    break
+                n += 1
+            usable = n // chunk * chunk
+            if usable >= chunk and (found is None or usable > found[1]):
+                found = (entry, usable)
+        if found is not None:
+            self._items.move_to_end(found[0].tokens)
+        return found

@@ -54,17 +54,21 @@ def drive(
     kv: bytes | memoryview | None = None,
     resume: bool = False,
     ready: Callable[[], None] | None = None,
+    keep: int | None = None,
 ) -> Outcome:
     """Run ``gen`` until it finishes, is cancelled or is asked to park.
 
     ``kv`` restores a checkpoint of ``gen.n_past`` positions; with ``resume``
-    and no ``kv`` the positions are replayed first. ``ready`` is called once
-    the KV cache holds them.
+    and no ``kv`` the positions are replayed first. ``keep`` truncates a
+    restored ``kv`` (a cached prompt prefix). ``ready`` is called once the KV
+    cache holds the positions.
     """
     ids = gen.request.prompt_ids
     engine.clear(0)
     if kv is not None:
         engine.load_seq(kv)
+        if keep is not None:
+            engine.truncate(keep)
     elif resume and not _replay(engine, gen, n_batch, emit):
         return Outcome("cancelled", [])
     if ready is not None:

@@ -18,7 +18,7 @@ import time
 
 import redis
 
-from jobs.checkpoints import Checkpoint, CheckpointStore
+from jobs.checkpoints import Checkpoint, CheckpointStore, PrefixCache
 from jobs.engine import Engine, EngineError
 from jobs.events import DONE, error_event
 from jobs.generation import Generation, GenerationRequest
@@ -51,6 +51,7 @@ class Worker:
         self.rq = RQBridge(client, settings.queue_name, settings.result_ttl)
         self.name = name or settings.worker_name or default_worker_name()
         self.checkpoints = CheckpointStore(settings.checkpoint_bytes)
+        self.prefixes = PrefixCache(settings.prefix_cache_bytes)
         self.stopping = threading.Event()
         self._next_beat = 0.0
 
@@ -130,6 +131,11 @@ class Worker:
         else:
             gen = Generation(job_id, request, self.engine.token_bytes, self.engine.is_eog)
         kv = self._checkpoint_for(job_id, record, gen)
+        keep = None
+        if not resume and (hit := self.prefixes.best(request.prompt_ids, self.settings.n_batch)):
+            kv, keep = hit[0].kv, hit[1]
+            gen.n_prefilled = keep
+            self.store.record(prefix_hit_tokens=keep)
         log.info(
             "job %s: %s on %s (%d prompt tokens, %d generated, %s)",
             job_id,
@@ -137,7 +143,13 @@ class Worker:
             self.name,
             len(request.prompt_ids),
             len(gen.generated),
-            "from its checkpoint" if kv is not None else "replaying" if resume else "fresh",
+            "from its checkpoint"
+            if kv is not None and keep is None
+            else "replaying"
+            if resume
+            else f"{keep} prompt tokens cached"
+            if keep
+            else "fresh",
         )
         self.rq.started(job_id, int(self.settings.worker_ttl) + 60)
         since = time.time()
@@ -155,7 +167,7 @@ class Worker:
             return step.flags
 
         def ready() -> None:
-            if kv is not None:  # resumed from a checkpoint: how long that took
+            if kv is not None and keep is None:  # resumed from a checkpoint: how long it took
                 self.store.record(resume_ms=(time.perf_counter() - t_claim) * 1000)
 
         try:
@@ -167,6 +179,7 @@ class Worker:
                 kv=kv,
                 resume=resume,
                 ready=ready,
+                keep=keep,
             )
         except Fenced:
             log.warning("job %s: execution %s was superseded; dropping it", job_id, token)
@@ -177,8 +190,12 @@ class Worker:
             return
         if outcome.state == "parked":
             self._park(claim, gen)
-        else:
-            self._end(claim, gen, outcome)
+            return
+        self._end(claim, gen, outcome)
+        # Keep the prompt's KV for a request that starts the same way (the next turn).
+        long_prompt = len(request.prompt_ids) >= 2 * self.settings.n_batch
+        if outcome.state == "finished" and long_prompt and self.prefixes.budget:
+            self.prefixes.put(request.prompt_ids, self.engine.save_seq(0))
 
     def _checkpoint_for(
         self, job_id: str, record: dict[str, str], gen: Generation

@@ -30,7 +30,7 @@ class PreemptPolicy:
     #: A waiting key must beat the runner's key by more than this.
     margin: float = 1.0
     #: Seconds a runner keeps the engine after it starts or resumes.
-    min_run_seconds: float = 0.25
+    min_run_seconds: float = 0.1
 
     def beats(self, waiting_key: float, runner_key: float) -> bool:
         return waiting_key > runner_key + self.margin

@@ -102,6 +102,12 @@ class Settings(BaseSettings):
     checkpoint_bytes: int = Field(
         2 << 30, ge=0, description="RAM budget of a worker's KV checkpoints (LRU beyond it)."
     )
+    prefix_cache_bytes: int = Field(
+        512 << 20,
+        ge=0,
+        description="RAM budget of a worker's cache of finished prompts' KV, reused by "
+        "requests that start the same way (a chat's next turn); 0 turns it off.",
+    )
     crash_limit: int = Field(
         3, ge=1, description="A job whose worker died this many times fails instead of looping."
     )

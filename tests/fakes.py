@@ -53,6 +53,9 @@ class FakeEngine(FakeVocab):
     def clear(self, seq: int = 0) -> None:
         self.context = []
 
+    def truncate(self, pos: int, seq: int = 0) -> None:
+        self.context = self.context[:pos]
+
     def save_seq(self, seq: int = 0) -> bytes:
         return bytes(json.dumps(self.context), "ascii")
 

@@ -198,3 +198,18 @@ def test_batch_job_finishes_under_a_continuous_stream_of_interactive_requests(
     assert events[-1][1] == "[DONE]" and batch["state"] == "finished"
     assert batch["preemptions"] >= 1
     assert len(served) > 10 and set(served) == {200}
+
+
+def test_a_follow_up_reuses_the_cached_prompt_and_changes_nothing(server: Server) -> None:
+    history = "the answer to the question is " * 60  # about 400 tokens of conversation
+    first = {**_long(0.8, max_tokens=40), "prompt": history + "one", "priority": "interactive"}
+    follow = {**first, "prompt": history + "two more"}
+    hits = "{parkq}:samples:prefix_hit_tokens"
+    cold = _reference(server, follow)  # runs cold: nothing cached starts like it yet
+    before = server.redis.llen(hits)
+    _reference(server, first)
+    warm = _reference(server, follow)
+    assert server.redis.llen(hits) > before
+    assert int(float(server.redis.lindex(hits, 0) or 0)) >= 16 * 20
+    assert completion_text(warm) == completion_text(cold)
+    assert logprob_tokens(warm) == logprob_tokens(cold)

@@ -106,3 +106,26 @@ def test_tool_call_cut_by_parking_keeps_id_and_arguments() -> None:
     assert calls[0]["id"].startswith("call_")
     finish = json.loads(payloads[-2])["choices"][0]["finish_reason"]
     assert finish == "tool_calls"
+
+
+def test_a_cached_prompt_prefix_changes_nothing() -> None:
+    from jobs.checkpoints import PrefixCache
+
+    first = _request(b"a shared system prompt, then question one?", max_tokens=20)
+    second = _request(b"a shared system prompt, then question two!", max_tokens=20)
+    cold = _run_alone(second, 4, FakeEngine())
+    engine = FakeEngine()
+    _run_alone(first, 4, engine)
+    cache = PrefixCache(1 << 20)
+    cache.put(first.prompt_ids, engine.save_seq())
+    hit = cache.best(second.prompt_ids, 4)
+    assert hit is not None
+    entry, keep = hit
+    assert keep == 36 and keep % 4 == 0  # whole chunks of the shared 38-byte prefix
+    gen = Generation("job", second, engine.token_bytes, engine.is_eog)
+    gen.n_prefilled = keep
+    out: list[str] = []
+    engine.calls.clear()
+    outcome = drive(engine, gen, lambda p: out.extend(p) or 0, 4, kv=entry.kv, keep=keep)
+    assert (gen.generated, out + outcome.payloads) == cold
+    assert engine.calls[0] == (4, 36)  # prefill resumed after the cached chunks

@@ -1,0 +1,97 @@
+"""A chat's next turn with and without the conversation (prompt prefix) cache.
+
+    python -m benchmarks.conversation [--model PATH] [--words 700] [--samples 5]
+
+For each sample a new conversation of about 1,000 tokens is sent as turn one;
+then its follow-up turn (turn one, the answer, a new question) is timed to its
+first token. The same follow-ups are timed on a server with the cache off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from benchmarks import model_and_chat_format
+from scheduler.settings import load_settings
+from web.launcher import Stack
+
+WORDS = "river mountain city library engine market garden harbor winter signal".split()
+
+
+def _conversation(i: int, words: int) -> list[dict[str, str]]:
+    rng = random.Random(i)
+    text = " ".join(rng.choice(WORDS) for _ in range(words))
+    return [{"role": "user", "content": f"Read this report:\n{text}\nSummarize it."}]
+
+
+def _chat(base: str, messages: list[dict[str, str]]) -> tuple[float, str]:
+    body = {"messages": messages, "max_tokens": 24, "temperature": 0, "stream": True}
+    t0 = time.monotonic()
+    first, text = None, []
+    with requests.post(f"{base}/v1/chat/completions", json=body, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                if delta:
+                    first = first or time.monotonic()
+                    text.append(delta)
+    return (first or time.monotonic()) - t0, "".join(text)
+
+
+def follow_ups(model: str, chat_format: str | None, cache: bool, n: int, words: int) -> list[float]:
+    settings = load_settings(
+        model=model,
+        port=0,
+        chat_format=chat_format,
+        log_level="WARNING",
+        prefix_cache_bytes=None if cache else 0,
+    )
+    ttfts = []
+    with Stack(settings) as stack:
+        _chat(stack.base_url, [{"role": "user", "content": "warm up"}])
+        for i in range(n):
+            turn1 = _conversation(i, words)
+            _, answer = _chat(stack.base_url, turn1)
+            turn2 = [*turn1, {"role": "assistant", "content": answer},
+                     {"role": "user", "content": "And what should we do next?"}]  # fmt: skip
+            ttfts.append(_chat(stack.base_url, turn2)[0])
+    return ttfts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", help="GGUF path (default: the demo model)")
+    ap.add_argument("--words", type=int, default=700, help="words of the report (~1,000 tokens)")
+    ap.add_argument("--samples", type=int, default=5)
+    ap.add_argument("--out", default="bench-results/conversation.json")
+    args = ap.parse_args()
+    model, chat_format = model_and_chat_format(args.model)
+    with_cache = follow_ups(model, chat_format, True, args.samples, args.words)
+    without = follow_ups(model, chat_format, False, args.samples, args.words)
+    result: dict[str, Any] = {
+        "model": Path(model).name,
+        "follow_up_ttft_ms_with_cache": [t * 1000 for t in with_cache],
+        "follow_up_ttft_ms_without_cache": [t * 1000 for t in without],
+    }
+    p50_with, p50_without = statistics.median(with_cache), statistics.median(without)
+    result["ratio_p50"] = p50_with / p50_without
+    print(f"model {result['model']}: follow-up turn of a ~1,000-token conversation")
+    print(f"  TTFT p50 with the cache {p50_with * 1000:.0f} ms, without {p50_without * 1000:.0f} ms "
+          f"(ratio {result['ratio_p50']:.2f})")  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
