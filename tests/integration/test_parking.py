@@ -86,7 +86,8 @@ def test_parked_job_is_token_identical(server: Server, parks: int, temperature: 
 def test_parking_during_prefill_continues_from_its_chunk(server: Server) -> None:
     prompt = "the park " * 1000  # 2,000 tokens: 125 chunks of 16
     body = _long(0.0, prompt=prompt, max_tokens=200)
-    reference = _reference(server, body)
+    # The interrupted run goes first: the reference run after it may reuse the
+    # prompt's cached KV (which changes nothing), but this one must prefill.
     resp = submit_stream(server.base_url, body)
     job_id = resp.headers["X-Job-Id"]
     wait_until(lambda: job(server.base_url, job_id)["state"] == "running", timeout=30)
@@ -97,6 +98,7 @@ def test_parking_during_prefill_continues_from_its_chunk(server: Server) -> None
     short.close()
     events = read_events(resp)
     resp.close()
+    reference = _reference(server, body)
     assert job(server.base_url, job_id)["preemptions"] == 1
     assert checkpoint["generated"] == [] and 0 < checkpoint["n_prefilled"] < 2000
     assert completion_text(events) == completion_text(reference)
