@@ -198,6 +198,10 @@ class Store:
 
     # -- worker side ------------------------------------------------------
 
+    def request_park(self, worker: str) -> None:
+        """Raise a worker's own preempt flag (it is shutting down)."""
+        self.r.hset(self.keys.worker(worker), "preempt", "1")
+
     def heartbeat(self, worker: str, now: float, ttl: float) -> None:
         self.r.zadd(self.keys.workers, {worker: now + ttl})
 

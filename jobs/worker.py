@@ -23,7 +23,7 @@ from jobs.engine import Engine, EngineError
 from jobs.events import DONE, error_event
 from jobs.generation import Generation, GenerationRequest
 from jobs.rqjobs import RQBridge
-from jobs.runner import PREEMPT, Outcome, drive
+from jobs.runner import CANCEL, PREEMPT, Outcome, drive
 from jobs.store import CANCEL_EVENTS, Claim, Fenced, Store
 from scheduler.settings import Settings
 from scheduler.state import TERMINAL, JobState
@@ -160,6 +160,11 @@ class Worker:
             self.beat(force=False)
             first = gen.events - len(payloads) + 1
             step = self.store.step(job_id, token, self.name, len(gen.generated), first, payloads)
+            if self.stopping.is_set():
+                # Shutting down: park (at the next step), so another worker resumes it.
+                if not step.flags & (CANCEL | PREEMPT):
+                    self.store.request_park(self.name)
+                return step.flags
             if not self.settings.preempt:
                 return step.flags & ~PREEMPT
             if step.flags == 0 and step.head_key is not None:

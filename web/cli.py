@@ -158,6 +158,7 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
     signals = {"count": 0}
 
     def _stop(signum: int, frame: Any) -> None:
+        # First signal: park the running job (within a step), sign off, exit.
         signals["count"] += 1
         if signals["count"] > 1:
             raise SystemExit(1)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -134,3 +135,27 @@ def test_preemption_goes_to_the_worker_running_the_lowest_key(cluster: Cluster) 
         resp.close()
     assert job(cluster.base_url, low_id)["preemptions"] == 1
     assert job(cluster.base_url, high_id)["preemptions"] == 0
+
+
+def test_sigterm_parks_the_running_job_and_another_worker_finishes_it(cluster: Cluster) -> None:
+    wait_until(lambda: cluster.workers_alive() == 2, timeout=60)
+    body = {**LONG, "temperature": 0.0}
+    reference = submit_stream(cluster.base_url, body)
+    expected = completion_text(read_events(reference))
+    resp = submit_stream(cluster.base_url, body)
+    job_id = resp.headers["X-Job-Id"]
+    wait_until(lambda: job(cluster.base_url, job_id)["tokens"] > 200)
+    victim = job(cluster.base_url, job_id)["worker"]
+    t0 = time.monotonic()
+    cluster.procs[victim].send_signal(signal.SIGTERM)
+    assert cluster.procs[victim].wait(timeout=30) == 0
+    stopped_in = time.monotonic() - t0
+    events = read_events(resp)
+    final = job(cluster.base_url, job_id)
+    assert final["state"] == "finished" and final["worker"] != victim
+    assert final["preemptions"] == 1
+    assert [i for i, _ in events] == list(range(1, len(events) + 1))
+    assert completion_text(events) == expected
+    assert stopped_in < 10
+    cluster.start_worker(victim)
+    wait_until(lambda: cluster.workers_alive() == 2, timeout=60)
