@@ -55,6 +55,11 @@ class Settings(BaseSettings):
     )
 
     # Web
+    api_keys: str | None = Field(
+        None,
+        description="Comma-separated API keys; when set, every route but /healthz needs "
+        "`Authorization: Bearer <key>`.",
+    )
     host: str = Field("127.0.0.1", description="Address the web server binds.")
     port: int = Field(8000, ge=0, le=65535, description="Port the web server binds.")
     web_threads: int = Field(64, ge=1, description="Web server threads (one per open stream).")
@@ -115,6 +120,10 @@ class Settings(BaseSettings):
     # Logging
     log_level: str = Field("INFO", description="Python logging level.")
     log_format: Literal["text", "json"] = Field("text", description="'text' or 'json' logs.")
+
+    @property
+    def api_key_list(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in (self.api_keys or "").split(",") if k.strip())
 
     @property
     def keys(self) -> Keys:

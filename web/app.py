@@ -10,7 +10,7 @@ from flask import Flask
 from jobs.rqjobs import RQBridge
 from jobs.store import Store
 from scheduler.settings import Settings
-from web import errors
+from web import auth, errors
 from web.runtime import Runtime, VocabLike
 
 __all__ = ["create_app", "model_name"]
@@ -52,6 +52,7 @@ def create_app(
         model_name=model_name(settings),
     )
     errors.init_app(app)
+    auth.init_app(app, settings.api_key_list)
     from web.api import bp
 
     app.register_blueprint(bp)

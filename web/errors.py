@@ -14,6 +14,7 @@ __all__ = [
     "ContextLengthExceeded",
     "NotFound",
     "ServiceUnavailable",
+    "Unauthorized",
     "error_body",
     "init_app",
 ]
@@ -48,6 +49,12 @@ class ContextLengthExceeded(BadRequest):
     code = "context_length_exceeded"
 
 
+class Unauthorized(APIError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
 class NotFound(APIError):
     status = 404
     type = "invalid_request_error"
@@ -78,7 +85,8 @@ _HTTP_CODES = {
 def init_app(app: Flask) -> None:
     @app.errorhandler(APIError)
     def _api_error(exc: APIError) -> Any:
-        return jsonify(exc.body()), exc.status
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+        return jsonify(exc.body()), exc.status, headers
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Any:

@@ -91,3 +91,20 @@ def test_no_preempt_keeps_priority_order_without_interrupting(tiny_model: Path) 
         assert short_job["started_at"] >= long_job["finished_at"]
     finally:
         assert stop_parkq(proc) == 0
+
+
+def test_api_keys_with_the_openai_client(tiny_model: Path) -> None:
+    import openai
+
+    proc, base = start_parkq(tiny_model, None, env={"PARKQ_API_KEYS": "sekret-1,sekret-2"})
+    try:
+        good = openai.OpenAI(base_url=base + "/v1", api_key="sekret-2", max_retries=0)
+        out = good.completions.create(model="tiny", prompt="hi", max_tokens=3)
+        assert out.choices[0].text
+        bad = openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as exc:
+            bad.models.list()
+        assert exc.value.status_code == 401
+        assert requests.get(base + "/healthz", timeout=10).status_code == 200
+    finally:
+        assert stop_parkq(proc) == 0
