@@ -20,7 +20,10 @@ __all__ = ["Settings", "load_settings"]
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PARKQ_", frozen=True, extra="ignore")
+    # An empty variable (e.g. `PARKQ_CHAT_FORMAT=` from compose) means "the default".
+    model_config = SettingsConfigDict(
+        env_prefix="PARKQ_", frozen=True, extra="ignore", env_ignore_empty=True
+    )
 
     # Redis
     redis_url: str | None = Field(

@@ -1,0 +1,91 @@
+"""The docker compose stack and the Dockerfile, checked without Docker."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from scheduler.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def _tool(name: str) -> str:
+    found = BIN / name
+    return str(found) if found.exists() else shutil.which(name) or name
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def test_compose_file_follows_the_compose_spec() -> None:
+    run = subprocess.run(
+        [_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", "compose.yaml"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_every_dockerfile_passes_hadolint() -> None:
+    dockerfiles = sorted(ROOT.glob("**/Dockerfile*"))
+    dockerfiles = [d for d in dockerfiles if ".venv" not in d.parts]
+    assert dockerfiles
+    for dockerfile in dockerfiles:
+        run = subprocess.run(
+            [_tool("hadolint"), "--config", str(ROOT / ".hadolint.yaml"), str(dockerfile)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_redis_is_private_protected_durable_and_checked(compose: dict[str, Any]) -> None:
+    redis = compose["services"]["redis"]
+    assert "ports" not in redis
+    command = " ".join(redis["command"])
+    assert "--requirepass ${REDIS_PASSWORD" in command
+    assert "--appendonly yes" in command and "--appendfsync everysec" in command
+    assert "--maxmemory-policy noeviction" in command
+    assert any(v.endswith(":/data") for v in redis["volumes"])
+    assert "healthcheck" in redis
+
+
+def test_web_and_worker(compose: dict[str, Any]) -> None:
+    web, worker = compose["services"]["web"], compose["services"]["worker"]
+    assert web["ports"] and web["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert "healthcheck" in web
+    assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+    grace = re.fullmatch(r"(\d+)s", worker["stop_grace_period"])
+    assert grace and int(grace.group(1)) >= 30
+    for service in (web, worker):
+        assert "${REDIS_PASSWORD" in service["environment"]["PARKQ_REDIS_URL"]
+        assert "models:/models:ro" in service["volumes"]
+    assert "models" in compose["volumes"]
+    assert compose["services"]["rq-dashboard"]["profiles"] == ["dashboard"]
+
+
+def test_dockerfile_builds_cpu_or_cuda_and_runs_unprivileged() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert "ARG BACKEND=cpu" in text
+    assert "AS build-cpu" in text and "AS build-cuda" in text and "-DGGML_CUDA=on" in text
+    users = re.findall(r"^USER (\S+)", text, flags=re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert not re.search(r"(PASSWORD|API_KEYS|SECRET)\s*=", text)
+
+
+def test_env_example_lists_every_setting() -> None:
+    text = (ROOT / ".env.example").read_text()
+    for name in Settings.model_fields:
+        assert f"PARKQ_{name.upper()}=" in text, name
+    assert "REDIS_PASSWORD=" in text
