@@ -22,7 +22,19 @@ from scheduler.preempt import PreemptPolicy, Runner, choose_victim
 from scheduler.settings import Settings
 from scheduler.state import JobState, sources
 
-__all__ = ["CANCEL_EVENTS", "Claim", "Fenced", "Reaped", "Step", "Store"]
+__all__ = ["BUCKETS_MS", "CANCEL_EVENTS", "Claim", "Fenced", "Reaped", "Step", "Store", "bucket_of"]
+
+#: Upper bounds (ms) of the latency histograms' buckets; the last is +Inf.
+BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
+
+
+def bucket_of(value_ms: float) -> str:
+    """The histogram field for one observation: its bucket's upper bound."""
+    for bound in BUCKETS_MS:
+        if value_ms <= bound:
+            return str(bound)
+    return "+Inf"
+
 
 #: What a cancelled job's stream ends with.
 CANCEL_EVENTS = [error_event("The job was cancelled.", "cancelled", "job_cancelled"), DONE]
@@ -202,8 +214,11 @@ class Store:
         """Raise a worker's own preempt flag (it is shutting down)."""
         self.r.hset(self.keys.worker(worker), "preempt", "1")
 
-    def heartbeat(self, worker: str, now: float, ttl: float) -> None:
-        self.r.zadd(self.keys.workers, {worker: now + ttl})
+    def heartbeat(self, worker: str, now: float, ttl: float, checkpoint_bytes: int = 0) -> None:
+        with self.r.pipeline(transaction=False) as p:
+            p.zadd(self.keys.workers, {worker: now + ttl})
+            p.hset(self.keys.worker(worker), "checkpoint_bytes", checkpoint_bytes)
+            p.execute()
 
     def remove_worker(self, worker: str) -> None:
         with self.r.pipeline() as p:
@@ -244,13 +259,26 @@ class Store:
         tokens: int,
         first_seq: int,
         payloads: list[str],
+        latency_ms: float | None = None,
     ) -> Step:
-        """Write one step's events (numbered from ``first_seq``); read the flags."""
+        """Write one step's events (numbered from ``first_seq``); read the flags.
+
+        ``latency_ms`` (time since the previous token) goes to the inter-token
+        latency histogram in the same call.
+        """
         k = self.keys
+        bucket = "" if latency_ms is None else bucket_of(latency_ms)
         got = self._run(
             "step",
-            [k.job(job_id), k.events(job_id), k.worker(worker), k.queue],
-            [exec_token, k.channel(job_id), tokens, first_seq, *payloads],
+            [
+                k.job(job_id),
+                k.events(job_id),
+                k.worker(worker),
+                k.queue,
+                k.counters,
+                k.histogram("inter_token_ms"),
+            ],
+            [exec_token, k.channel(job_id), tokens, first_seq, bucket, latency_ms or 0, *payloads],
         )
         if got == -1:
             raise Fenced(job_id)
@@ -274,7 +302,7 @@ class Store:
         result = int(
             self._run(
                 "finish",
-                [k.job(job_id), k.events(job_id), k.worker(worker), k.running],
+                [k.job(job_id), k.events(job_id), k.worker(worker), k.running, k.counters],
                 [
                     exec_token,
                     k.channel(job_id),
@@ -346,6 +374,18 @@ class Store:
                 p.lpush(self.keys.samples(name), repr(value))
                 p.ltrim(self.keys.samples(name), 0, 999)
             p.execute()
+
+    def observe(self, histogram: str, value_ms: float) -> None:
+        """Add one observation to a histogram kept in Redis (shared by all processes)."""
+        key = self.keys.histogram(histogram)
+        with self.r.pipeline(transaction=False) as p:
+            p.hincrby(key, bucket_of(value_ms), 1)
+            p.hincrby(key, "count", 1)
+            p.hincrbyfloat(key, "sum", value_ms)
+            p.execute()
+
+    def count(self, counter: str, n: int = 1) -> None:
+        self.r.hincrby(self.keys.counters, counter, n)
 
     def samples(self, name: str) -> list[float]:
         return [float(x) for x in self.r.lrange(self.keys.samples(name), 0, -1)]

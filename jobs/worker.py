@@ -25,6 +25,7 @@ from jobs.generation import Generation, GenerationRequest
 from jobs.rqjobs import RQBridge
 from jobs.runner import CANCEL, PREEMPT, Outcome, drive
 from jobs.store import CANCEL_EVENTS, Claim, Fenced, Store
+from scheduler.policy import priority_label
 from scheduler.settings import Settings
 from scheduler.state import TERMINAL, JobState
 
@@ -89,7 +90,7 @@ class Worker:
         if not force and now < self._next_beat:
             return
         self._next_beat = now + self.settings.heartbeat_seconds
-        self.store.heartbeat(self.name, now, self.settings.worker_ttl)
+        self.store.heartbeat(self.name, now, self.settings.worker_ttl, self.checkpoints.bytes)
         self.rq.heartbeat(int(self.settings.worker_ttl) + 60)
         for reaped in self.store.reap(now):
             self.rq.forget_worker(reaped.worker)
@@ -101,6 +102,7 @@ class Worker:
             if reaped.outcome == "requeued":
                 self.rq.requeued(reaped.job_id)
             elif reaped.outcome == "failed":
+                self.store.count("jobs_failed")
                 self.rq.ended(reaped.job_id, "failed", error="worker lost")
         held = self.checkpoints.job_ids()
         if held:
@@ -154,12 +156,26 @@ class Worker:
         self.rq.started(job_id, int(self.settings.worker_ttl) + 60)
         since = time.time()
         my_key = -float(record["score"])
+        request_level = int(record.get("priority", "0"))
         last_check: dict[str, float | None] = {"head": None, "at": 0.0}
+
+        timing = {"last": 0.0}
 
         def emit(payloads: list[str]) -> int:
             self.beat(force=False)
             first = gen.events - len(payloads) + 1
-            step = self.store.step(job_id, token, self.name, len(gen.generated), first, payloads)
+            latency = None
+            if payloads:
+                now = time.time()
+                if timing["last"]:
+                    latency = (now - timing["last"]) * 1000
+                elif first == 1:  # the job's first event: its time to first token
+                    ttft = (now - float(record["created_at"])) * 1000
+                    self.store.observe(f"ttft_ms:{priority_label(request_level)}", ttft)
+                timing["last"] = now
+            step = self.store.step(
+                job_id, token, self.name, len(gen.generated), first, payloads, latency
+            )
             if self.stopping.is_set():
                 # Shutting down: park (at the next step), so another worker resumes it.
                 if not step.flags & (CANCEL | PREEMPT):
@@ -173,7 +189,9 @@ class Worker:
 
         def ready() -> None:
             if kv is not None and keep is None:  # resumed from a checkpoint: how long it took
-                self.store.record(resume_ms=(time.perf_counter() - t_claim) * 1000)
+                resume_ms = (time.perf_counter() - t_claim) * 1000
+                self.store.record(resume_ms=resume_ms)
+                self.store.observe("resume_ms", resume_ms)
 
         try:
             outcome = drive(
@@ -245,6 +263,8 @@ class Worker:
             self.checkpoints.put(job_id, Checkpoint(claim.exec_token, gen.n_past, kv))
             park_ms = (time.perf_counter() - t0) * 1000
             self.store.record(park_ms=park_ms, checkpoint_bytes=len(kv))
+            self.store.observe("park_ms", park_ms)
+            self.store.count("preemptions")
             self.rq.requeued(job_id)
             log.info(
                 "job %s: parked after %d tokens (%d KV bytes, %.1f ms)",
@@ -254,6 +274,7 @@ class Worker:
                 park_ms,
             )
         else:
+            self.store.count("jobs_cancelled")
             self.rq.ended(job_id, "canceled")
             log.info("job %s: cancelled while parking", job_id)
 
@@ -282,6 +303,7 @@ class Worker:
                 "job %s: execution %s was superseded; dropping it", job_id, claim.exec_token
             )
             return
+        self.store.count(f"jobs_{state.value}")
         self.rq.ended(job_id, "finished" if state is JobState.FINISHED else "canceled")
         log.info(
             "job %s: %s (%s, %d tokens)",
@@ -306,4 +328,5 @@ class Worker:
             )
         except Fenced:
             return
+        self.store.count("jobs_failed")
         self.rq.ended(claim.job_id, "failed", error=message)

@@ -76,6 +76,15 @@ class Keys:
         """Pub/sub channel announcing one job's new events live."""
         return f"{self.channel_prefix}{job_id}"
 
+    @property
+    def counters(self) -> str:
+        """Hash of monotonic counters (tokens, preemptions, jobs by final state)."""
+        return f"{self.base}:counters"
+
+    def histogram(self, name: str) -> str:
+        """Hash of one histogram: a count per bucket, plus `sum` and `count`."""
+        return f"{self.base}:hist:{name}"
+
     def samples(self, name: str) -> str:
         """Capped list of recent measurements (park_ms, resume_ms, checkpoint_bytes)."""
         return f"{self.base}:samples:{name}"

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 __all__ = [
     "PRIORITY_LEVELS",
     "Policy",
+    "priority_label",
     "priority_level",
 ]
 
@@ -47,6 +48,14 @@ def priority_level(value: str | int) -> int:
         return PRIORITY_LEVELS[value]
     except KeyError:
         raise ValueError("priority must be 'interactive', 'batch' or an integer") from None
+
+
+def priority_label(level: int) -> str:
+    """A metrics label for a level: its name, or 'other' for custom integers."""
+    for name, value in PRIORITY_LEVELS.items():
+        if value == level:
+            return name
+    return "other"
 
 
 @dataclass(frozen=True)

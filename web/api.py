@@ -338,6 +338,7 @@ def cancel_job(job_id: str) -> Any:
     if result is None:
         raise NotFound(f"No job with id '{job_id}'.", param="job_id")
     if result == "cancelled":
+        runtime.store.count("jobs_cancelled")
         runtime.rq.canceled(job_id)
         current_app.logger.info("job %s: cancelled while waiting", job_id)
         return jsonify({"id": job_id, "object": "job", "state": "cancelled"})

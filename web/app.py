@@ -54,6 +54,8 @@ def create_app(
     errors.init_app(app)
     auth.init_app(app, settings.api_key_list)
     from web.api import bp
+    from web.metrics import bp as metrics_bp
 
     app.register_blueprint(bp)
+    app.register_blueprint(metrics_bp)
     return app

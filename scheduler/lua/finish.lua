@@ -1,5 +1,5 @@
 -- End a job's execution in a terminal state, with its last events.
--- KEYS: job hash, events stream, worker hash, running zset
+-- KEYS: job hash, events stream, worker hash, running zset, counters hash
 -- ARGV: execution token, channel, target state, allowed source states
 --       (comma separated), now, ttl, worker name, sequence number of the first
 --       payload (0: right after the stream's last event), number of
@@ -14,8 +14,13 @@ if not state_set(ARGV[4])[redis.call('HGET', KEYS[1], 'state')] then
 end
 local n = tonumber(ARGV[9])
 emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[8]), 10 + 2 * n)
+local tokens_before = tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
 if n > 0 then
   redis.call('HSET', KEYS[1], unpack(ARGV, 10, 9 + 2 * n))
+end
+local tokens_after = tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
+if tokens_after > tokens_before then
+  redis.call('HINCRBY', KEYS[5], 'tokens', tokens_after - tokens_before)
 end
 end_job(KEYS[1], KEYS[2], ARGV[3], ARGV[5], ARGV[6])
 release_worker(KEYS[3], KEYS[4], ARGV[7], ARGV[1])

@@ -2,17 +2,28 @@
 -- One call per decoding step: the stream write, the live announcement, the
 -- token counter, the flag reads and a look at the queue head share one round
 -- trip.
--- KEYS: job hash, events stream, worker hash, queue zset
+-- KEYS: job hash, events stream, worker hash, queue zset, counters hash,
+--       inter-token latency histogram hash
 -- ARGV: execution token, channel, tokens generated so far, sequence number of
---       the first payload, payload, payload, ...
+--       the first payload, latency bucket ('' for none), latency (ms),
+--       payload, payload, ...
 -- Returns -1 when the execution token is stale (another execution owns the
 -- job: nothing is written), else {flags, queue head score or false}, flags a
 -- bit set: 1 cancel requested, 2 preempt (the job is then marked parking).
 if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
   return -1
 end
-emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[4]), 5)
+emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[4]), 7)
+local new_tokens = tonumber(ARGV[3]) - tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
+if new_tokens > 0 then
+  redis.call('HINCRBY', KEYS[5], 'tokens', new_tokens)
+end
 redis.call('HSET', KEYS[1], 'tokens', ARGV[3])
+if ARGV[5] ~= '' then
+  redis.call('HINCRBY', KEYS[6], ARGV[5], 1)
+  redis.call('HINCRBY', KEYS[6], 'count', 1)
+  redis.call('HINCRBYFLOAT', KEYS[6], 'sum', ARGV[6])
+end
 local flags = 0
 if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then
   flags = flags + 1

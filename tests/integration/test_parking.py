@@ -215,3 +215,39 @@ def test_a_follow_up_reuses_the_cached_prompt_and_changes_nothing(server: Server
     assert int(float(server.redis.lindex(hits, 0) or 0)) >= 16 * 20
     assert completion_text(warm) == completion_text(cold)
     assert logprob_tokens(warm) == logprob_tokens(cold)
+
+
+def _metrics(server: Server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(server.base_url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
+def test_metrics_parse_and_move_as_jobs_run_and_park(server: Server) -> None:
+    before = _metrics(server)
+    resp = submit_stream(server.base_url, _long(0.0, max_tokens=600))
+    job_id = resp.headers["X-Job-Id"]
+    _interrupt(server, job_id, 1)
+    read_events(resp)
+    after = _metrics(server)
+
+    def moved(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert moved("parkq_preemptions_total{}") == 1
+    assert moved("parkq_tokens_generated_total{}") >= 600 + SHORT["max_tokens"]
+    assert moved("parkq_jobs_ended_total{state=finished}") == 2
+    assert moved("parkq_park_latency_seconds_count{}") == 1
+    assert moved("parkq_resume_latency_seconds_count{}") == 1
+    assert moved("parkq_ttft_seconds_count{priority=interactive}") == 1
+    assert moved("parkq_ttft_seconds_count{priority=batch}") == 1
+    assert moved("parkq_inter_token_latency_seconds_count{}") >= 500
+    assert after["parkq_workers_alive{}"] == 1
+    assert after["parkq_jobs_running{}"] == 0 and after["parkq_jobs_parked{}"] == 0
+    assert after["parkq_checkpoint_bytes{}"] == 0  # the resumed job's checkpoint was used
