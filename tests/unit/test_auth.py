@@ -32,9 +32,12 @@ def test_every_route_but_healthz_needs_a_valid_key(app: Flask) -> None:
     client = app.test_client()
     routes = _routes(app)
     assert ("POST", "/v1/chat/completions") in routes and ("GET", "/healthz") in routes
+    # Open: liveness, the dashboard page (it asks for a key) and its sign-in form.
+    open_routes = {("GET", "/healthz"), ("GET", "/"), ("POST", "/dashboard/login")}
     for method, path in routes:
-        if path == "/healthz":
-            assert client.open(path, method=method).status_code != 401
+        if (method, path) in open_routes:
+            with client.open(path, method=method) as resp:
+                assert resp.status_code != 401
             continue
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-one"}):
             resp = client.open(path, method=method, headers=headers, json={})
@@ -51,3 +54,18 @@ def test_every_route_but_healthz_needs_a_valid_key(app: Flask) -> None:
 def test_without_keys_nothing_is_asked(settings: Settings, fake_redis) -> None:
     client = create_app(settings, vocab=FakeVocab(), client=fake_redis).test_client()
     assert client.get("/v1/models").status_code == 200
+
+
+def test_dashboard_signs_in_with_a_cookie_never_a_url(app: Flask) -> None:
+    client = app.test_client()
+    assert client.get("/dashboard/state", headers={"X-Parkq-Dashboard": "1"}).status_code == 401
+    bad = client.post("/dashboard/login", data={"key": "wrong"})
+    assert bad.status_code == 303 and bad.headers["Location"].endswith("/?login=failed")
+    good = client.post("/dashboard/login", data={"key": "key-two"})
+    assert good.status_code == 303 and "key-two" not in good.headers["Location"]
+    cookie = good.headers["Set-Cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "key-two" not in cookie
+    assert client.get("/dashboard/state", headers={"X-Parkq-Dashboard": "1"}).status_code == 200
+    # The cookie alone (a cross-site form could send it) is not enough.
+    assert client.get("/dashboard/state").status_code == 401
+    assert client.get("/v1/models", headers={"X-Parkq-Dashboard": "1"}).status_code == 200

@@ -1,0 +1,85 @@
+"""The dashboard in headless Chromium (Debian's, driven by Playwright)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.integration.conftest import start_parkq, stop_parkq
+from tests.integration.helpers import read_events
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+KEY = "dashboard-test-key"
+
+
+@pytest.mark.timeout(240)
+def test_dashboard_chat_and_a_long_job_parked_and_resumed(tiny_model: Path, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    env = {"PARKQ_API_KEYS": KEY, "PARKQ_N_BATCH": "16", "PARKQ_MIN_RUN_SECONDS": "0.05"}
+    proc, base = start_parkq(tiny_model, None, env=env)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    long_events: list = []
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                      "--disable-component-update", "--disable-sync", "--no-first-run"],
+            )  # fmt: skip
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(base + "/")
+            page.wait_for_selector("#login:not([hidden])")
+            page.fill("input[name=key]", KEY)
+            page.click("button[type=submit]")
+            page.wait_for_selector("#app:not([hidden])")
+            assert KEY not in page.url
+
+            # A long batch job starts streaming (read in the background).
+            body = {"prompt": "the long job", "max_tokens": 3000, "ignore_eos": True,
+                    "priority": "batch", "temperature": 0}  # fmt: skip
+            resp = requests.post(base + "/v1/completions", json={**body, "stream": True},
+                                 headers=auth, stream=True, timeout=120)  # fmt: skip
+            long_id = resp.headers["X-Job-Id"]
+            reader = threading.Thread(target=lambda: long_events.extend(read_events(resp)))
+            reader.start()
+            page.wait_for_function(
+                f"document.querySelector('#workers').textContent.includes('{long_id}')"
+            )
+
+            # A chat message from the box, interactive: the long job is parked meanwhile.
+            page.fill("#message", "Hello from the dashboard")
+            page.select_option("#priority", "interactive")
+            page.fill("#max-tokens", "1500")
+            page.click("#send")
+            page.wait_for_function(
+                f"document.querySelector('#queue').textContent.includes('{long_id}')"
+                " && document.querySelector('#queue').textContent.includes('parked')"
+            )
+            page.screenshot(path=str(tmp_path / "dashboard-parked.png"), full_page=True)
+            page.wait_for_function(
+                "document.querySelector('#chat-status').textContent.includes('done')",
+                timeout=120_000,
+            )
+            reply = page.text_content("#reply") or ""
+            assert reply.strip()
+            assert "first token after" in (page.text_content("#chat-status") or "")
+
+            # The long job resumes: it shows up running again, and in the preemption list.
+            page.wait_for_function(
+                f"document.querySelector('#workers').textContent.includes('{long_id}')"
+                f" && document.querySelector('#preemptions').textContent.includes('{long_id}')"
+            )
+            page.screenshot(path=str(tmp_path / "dashboard-resumed.png"), full_page=True)
+            browser.close()
+        reader.join(timeout=120)
+        assert long_events and long_events[-1][1] == "[DONE]"
+        status = requests.get(f"{base}/v1/jobs/{long_id}", headers=auth, timeout=10).json()
+        assert status["state"] == "finished" and status["preemptions"] >= 1
+        assert (tmp_path / "dashboard-parked.png").stat().st_size > 10_000
+    finally:
+        assert stop_parkq(proc) == 0
