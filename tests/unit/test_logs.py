@@ -1,0 +1,25 @@
+"""Structured logs: one JSON object per line with PARKQ_LOG_FORMAT=json."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+from web.logs import configure_logging
+
+
+def test_json_log_lines_carry_the_job_id(monkeypatch) -> None:
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stream)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        configure_logging("INFO", "json")
+        logging.getLogger("jobs.worker").info("job %s: parked after %d tokens", "cmpl-1", 12)
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    entry = json.loads(stream.getvalue().strip())
+    assert entry["msg"] == "job cmpl-1: parked after 12 tokens"
+    assert entry["level"] == "info" and entry["logger"] == "jobs.worker"
