@@ -63,6 +63,13 @@ class RQBridge:
             p.rpush(self.queue.key, job_id)
             p.execute()
 
+    def delete(self, job_id: str) -> None:
+        """Forget a job that was never accepted."""
+        with self.r.pipeline() as p:
+            p.lrem(self.queue.key, 0, job_id)
+            p.delete(Job.key_for(job_id))
+            p.execute()
+
     def fetch(self, job_id: str) -> Job | None:
         try:
             return Job.fetch(job_id, connection=self.r, serializer=JSONSerializer)

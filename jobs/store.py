@@ -22,7 +22,17 @@ from scheduler.preempt import PreemptPolicy, Runner, choose_victim
 from scheduler.settings import Settings
 from scheduler.state import JobState, sources
 
-__all__ = ["BUCKETS_MS", "CANCEL_EVENTS", "Claim", "Fenced", "Reaped", "Step", "Store", "bucket_of"]
+__all__ = [
+    "BUCKETS_MS",
+    "CANCEL_EVENTS",
+    "Claim",
+    "Fenced",
+    "QueueFull",
+    "Reaped",
+    "Step",
+    "Store",
+    "bucket_of",
+]
 
 #: Upper bounds (ms) of the latency histograms' buckets; the last is +Inf.
 BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
@@ -52,6 +62,10 @@ def _states(*states: JobState) -> str:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class QueueFull(Exception):
+    """The queue holds `max_queue` waiting jobs: the new one was not accepted."""
 
 
 class Fenced(Exception):
@@ -120,11 +134,15 @@ class Store:
         }
         flat = [x for kv in fields.items() for x in kv]
         k = self.keys
-        done = self._run(
-            "enqueue",
-            [k.job(job_id), k.queue, k.wake, k.jobs],
-            [job_id, repr(score), repr(now), *flat],
+        done = int(
+            self._run(
+                "enqueue",
+                [k.job(job_id), k.queue, k.wake, k.jobs],
+                [job_id, repr(score), repr(now), self.settings.max_queue, *flat],
+            )
         )
+        if done < 0:
+            raise QueueFull(job_id)
         return bool(done)
 
     def cancel(self, job_id: str, now: float) -> str | None:

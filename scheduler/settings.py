@@ -67,6 +67,11 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="Port the web server binds.")
     web_threads: int = Field(64, ge=1, description="Web server threads (one per open stream).")
     max_body_bytes: int = Field(1 << 20, ge=1, description="Largest accepted request body.")
+    max_queue: int = Field(
+        10_000,
+        ge=0,
+        description="Most waiting jobs; beyond it requests get 429 with Retry-After (0: no limit).",
+    )
     keepalive_seconds: float = Field(
         15.0, gt=0, description="Idle SSE streams get a comment line this often."
     )

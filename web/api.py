@@ -13,6 +13,7 @@ from flask import Blueprint, Response, current_app, jsonify, request, stream_wit
 from jobs.events import DONE
 from jobs.generation import GenerationRequest
 from jobs.sampling import SamplingParams
+from jobs.store import QueueFull
 from scheduler.policy import priority_level
 from web import sse
 from web.errors import (
@@ -21,6 +22,7 @@ from web.errors import (
     Conflict,
     ContextLengthExceeded,
     NotFound,
+    TooManyRequests,
 )
 from web.runtime import Runtime
 from web.schemas import ChatRequest, CompletionRequest, _Common, parse
@@ -143,7 +145,14 @@ def _submit(prefix: str, gen: GenerationRequest, level: int) -> str:
     runtime = rt()
     job_id = f"{prefix}-{secrets.token_hex(12)}"
     runtime.rq.create(job_id, f"{gen.kind} {len(gen.prompt_ids)}+{gen.max_tokens} tokens")
-    runtime.store.enqueue(job_id, gen.kind, gen.to_json(), level, time.time())
+    try:
+        runtime.store.enqueue(job_id, gen.kind, gen.to_json(), level, time.time())
+    except QueueFull:
+        runtime.rq.delete(job_id)
+        limit = runtime.settings.max_queue
+        raise TooManyRequests(
+            f"The queue is full ({limit} waiting jobs); retry later.", retry_after=2
+        ) from None
     current_app.logger.info("job %s: queued (priority %d)", job_id, level)
     if runtime.settings.preempt:
         victim = runtime.store.maybe_preempt(time.time())

@@ -14,6 +14,7 @@ __all__ = [
     "ContextLengthExceeded",
     "NotFound",
     "ServiceUnavailable",
+    "TooManyRequests",
     "Unauthorized",
     "error_body",
     "init_app",
@@ -67,6 +68,16 @@ class Conflict(APIError):
     code = "conflict"
 
 
+class TooManyRequests(APIError):
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class ServiceUnavailable(APIError):
     status = 503
     type = "server_error"
@@ -86,6 +97,8 @@ def init_app(app: Flask) -> None:
     @app.errorhandler(APIError)
     def _api_error(exc: APIError) -> Any:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+        if isinstance(exc, TooManyRequests):
+            headers["Retry-After"] = str(exc.retry_after)
         return jsonify(exc.body()), exc.status, headers
 
     @app.errorhandler(HTTPException)

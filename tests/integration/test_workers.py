@@ -127,6 +127,8 @@ def test_preemption_goes_to_the_worker_running_the_lowest_key(cluster: Cluster) 
             and job(cluster.base_url, high_id)["state"] == "running"
         )
     )
+    # Both past their minimum run time (0.05 s here): only the keys decide.
+    time.sleep(0.5)
     chat = submit_stream(cluster.base_url, {"prompt": "hi", "max_tokens": 8})
     assert read_events(chat)[-1][1] == "[DONE]"
     chat.close()

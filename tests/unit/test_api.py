@@ -155,3 +155,20 @@ def test_cancel_queued_job(client: FlaskClient, store: Store) -> None:
     assert client.get(f"/v1/jobs/{job_id}").get_json()["state"] == "cancelled"
     assert client.delete(f"/v1/jobs/{job_id}").status_code == 409
     assert store.claim("w", 1e12) is None
+
+
+def test_a_full_queue_answers_429_with_retry_after(settings, fake_redis) -> None:
+    s = settings.model_copy(update={"max_queue": 2})
+    client = create_app(s, vocab=FakeVocab(), client=fake_redis).test_client()
+    codes = []
+    for _ in range(3):
+        resp = client.post("/v1/completions", json={"prompt": "hi", "stream": True})
+        codes.append(resp.status_code)
+        if resp.status_code == 429:
+            assert int(resp.headers["Retry-After"]) >= 1
+            err = _error(resp)
+            assert err["type"] == "rate_limit_error" and err["code"] == "queue_full"
+        resp.close()
+    assert codes == [200, 200, 429]
+    assert fake_redis.zcard("{parkq}:queue") == 2
+    assert fake_redis.llen("rq:queue:parkq") == 2  # the refused job left no RQ record
