@@ -69,9 +69,9 @@ def test_dashboard_chat_and_a_long_job_parked_and_resumed(tiny_model: Path, tmp_
             assert reply.strip()
             assert "first token after" in (page.text_content("#chat-status") or "")
 
-            # The long job resumes: it shows up running again, and in the preemption list.
+            # The long job resumes: it has left the queue, and the preemption list shows it.
             page.wait_for_function(
-                f"document.querySelector('#workers').textContent.includes('{long_id}')"
+                f"!document.querySelector('#queue').textContent.includes('{long_id}')"
                 f" && document.querySelector('#preemptions').textContent.includes('{long_id}')"
             )
             page.screenshot(path=str(tmp_path / "dashboard-resumed.png"), full_page=True)

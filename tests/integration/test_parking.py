@@ -153,7 +153,7 @@ def test_cancel_a_parked_job_leaves_the_runner_alone(server: Server) -> None:
     chat = submit_stream(server.base_url, {**SHORT, "max_tokens": 600, "ignore_eos": True})
     chat_id = chat.headers["X-Job-Id"]
     wait_until(lambda: job(server.base_url, long_id)["state"] == "parked")
-    assert job(server.base_url, chat_id)["state"] == "running"
+    wait_until(lambda: job(server.base_url, chat_id)["state"] == "running")
     resp = requests.delete(f"{server.base_url}/v1/jobs/{long_id}", timeout=10)
     assert resp.status_code == 200 and resp.json()["state"] == "cancelled"
     long_events = read_events(long)
