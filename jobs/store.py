@@ -84,6 +84,8 @@ class Step:
     flags: int
     #: Ordering key of the best waiting job (higher runs first), if any.
     head_key: float | None
+    #: When the job's last stream reader left (None: one is reading, or never read).
+    detached_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,17 @@ class Store:
         self.result_ttl = settings.result_ttl
         self._scripts = {
             name: client.register_script(_script(name))
-            for name in ("enqueue", "claim", "step", "finish", "park", "cancel", "flag", "reap")
+            for name in (
+                "enqueue",
+                "claim",
+                "step",
+                "finish",
+                "park",
+                "cancel",
+                "flag",
+                "reap",
+                "reader",
+            )
         }
 
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
@@ -163,6 +175,10 @@ class Store:
             ],
         )
         return None if result is None else _text(result)
+
+    def reader(self, job_id: str, delta: int, now: float) -> None:
+        """A stream reader of the job attaches (+1) or leaves (-1)."""
+        self._run("reader", [self.keys.job(job_id)], [delta, repr(now)])
 
     def get(self, job_id: str) -> dict[str, str] | None:
         raw = self.r.hgetall(self.keys.job(job_id))
@@ -300,8 +316,12 @@ class Store:
         )
         if got == -1:
             raise Fenced(job_id)
-        flags, head = got
-        return Step(int(flags), None if head is None else -float(head))
+        flags, head, detached = got
+        return Step(
+            int(flags),
+            None if head is None else -float(head),
+            None if detached is None else float(detached),
+        )
 
     def finish(
         self,

@@ -25,7 +25,7 @@ from jobs.generation import Generation, GenerationRequest
 from jobs.rqjobs import RQBridge
 from jobs.runner import CANCEL, PREEMPT, Outcome, drive
 from jobs.store import CANCEL_EVENTS, Claim, Fenced, Store
-from scheduler.policy import priority_label
+from scheduler.policy import PRIORITY_LEVELS, priority_label
 from scheduler.settings import Settings
 from scheduler.state import TERMINAL, JobState
 
@@ -160,6 +160,12 @@ class Worker:
         last_check: dict[str, float | None] = {"head": None, "at": 0.0}
 
         timing = {"last": 0.0}
+        gone = {"yes": False}
+        detached = record.get("detached_at")
+        if detached and self._abandoned(request_level, float(detached)):
+            log.info("job %s: its client left before it ran", job_id)
+            self._end(claim, gen, Outcome("cancelled", []), client_gone=True)
+            return
 
         def emit(payloads: list[str]) -> int:
             self.beat(force=False)
@@ -181,6 +187,9 @@ class Worker:
                 if not step.flags & (CANCEL | PREEMPT):
                     self.store.request_park(self.name)
                 return step.flags
+            if step.detached_at is not None and self._abandoned(request_level, step.detached_at):
+                gone["yes"] = True
+                return CANCEL
             if not self.settings.preempt:
                 return step.flags & ~PREEMPT
             if step.flags == 0 and step.head_key is not None:
@@ -214,7 +223,7 @@ class Worker:
         if outcome.state == "parked":
             self._park(claim, gen)
             return
-        self._end(claim, gen, outcome)
+        self._end(claim, gen, outcome, client_gone=gone["yes"])
         # Keep the prompt's KV for a request that starts the same way (the next turn).
         long_prompt = len(request.prompt_ids) >= 2 * self.settings.n_batch
         if outcome.state == "finished" and long_prompt and self.prefixes.budget:
@@ -279,9 +288,21 @@ class Worker:
             self.rq.ended(job_id, "canceled")
             log.info("job %s: cancelled while parking", job_id)
 
-    def _end(self, claim: Claim, gen: Generation, outcome: Outcome) -> None:
+    def _abandoned(self, level: int, detached_at: float) -> bool:
+        """An interactive job whose readers left longer ago than the grace period."""
+        grace = self.settings.disconnect_grace_seconds
+        return level > PRIORITY_LEVELS["batch"] and time.time() - detached_at > grace
+
+    def _end(
+        self, claim: Claim, gen: Generation, outcome: Outcome, client_gone: bool = False
+    ) -> None:
         job_id = claim.job_id
-        if outcome.state == "cancelled":
+        if outcome.state == "cancelled" and client_gone:
+            message = "The client disconnected and did not come back within the grace period."
+            payloads = [error_event(message, "cancelled", "client_disconnected"), DONE]
+            fields = {"finish_reason": "client_gone", "tokens": str(len(gen.generated))}
+            state = JobState.CANCELLED
+        elif outcome.state == "cancelled":
             payloads = list(CANCEL_EVENTS)
             fields = {"finish_reason": "cancelled", "tokens": str(len(gen.generated))}
             state = JobState.CANCELLED

@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="Port the web server binds.")
     web_threads: int = Field(64, ge=1, description="Web server threads (one per open stream).")
     max_body_bytes: int = Field(1 << 20, ge=1, description="Largest accepted request body.")
+    disconnect_grace_seconds: float = Field(
+        10.0,
+        ge=0,
+        description="An interactive job whose stream readers all left is cancelled after this "
+        "long (a reconnect within it continues the stream); batch jobs run on without readers.",
+    )
     max_queue: int = Field(
         10_000,
         ge=0,

@@ -38,6 +38,7 @@ def events(
     pubsub = store.r.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(store.keys.channel(job_id))
     last = after
+    store.reader(job_id, +1, time.time())
     try:
         while True:
             for seq, data in store.events_after(job_id, last):
@@ -71,3 +72,4 @@ def events(
                 deadline = time.monotonic() + keepalive
     finally:
         pubsub.close()
+        store.reader(job_id, -1, time.time())

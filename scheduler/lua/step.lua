@@ -8,8 +8,9 @@
 --       the first payload, latency bucket ('' for none), latency (ms),
 --       payload, payload, ...
 -- Returns -1 when the execution token is stale (another execution owns the
--- job: nothing is written), else {flags, queue head score or false}, flags a
--- bit set: 1 cancel requested, 2 preempt (the job is then marked parking).
+-- job: nothing is written), else {flags, queue head score or false, time the
+-- job's last reader left or false}, flags a bit set: 1 cancel requested,
+-- 2 preempt (the job is then marked parking).
 if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
   return -1
 end
@@ -32,4 +33,4 @@ elseif redis.call('HEXISTS', KEYS[3], 'preempt') == 1 then
   redis.call('HSET', KEYS[1], 'state', 'parking')
 end
 local head = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')
-return {flags, head[2] or false}
+return {flags, head[2] or false, redis.call('HGET', KEYS[1], 'detached_at')}

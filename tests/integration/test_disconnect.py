@@ -1,0 +1,54 @@
+"""Clients that go away: interactive work is freed after a grace period, a
+reconnect within it continues losslessly, batch work runs on without a client."""
+
+from __future__ import annotations
+
+import time
+
+import requests
+
+from tests.integration.conftest import Server
+from tests.integration.helpers import job, read_events, submit_stream, wait_until
+
+LONG = {"prompt": "A reply nobody reads", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+
+
+def test_an_abandoned_interactive_stream_frees_the_engine_after_the_grace(server: Server) -> None:
+    resp = submit_stream(server.base_url, {**LONG, "priority": "interactive"})
+    job_id = resp.headers["X-Job-Id"]
+    read_events(resp, limit=20)
+    resp.close()
+    left = time.monotonic()
+    wait_until(lambda: job(server.base_url, job_id)["state"] == "cancelled", timeout=30)
+    status = job(server.base_url, job_id)
+    assert status["finish_reason"] == "client_gone"
+    assert status["tokens"] < 3000
+    assert time.monotonic() - left >= 1.0  # not before the grace period (1 s here)
+
+
+def test_a_reconnect_within_the_grace_continues_losslessly(server: Server) -> None:
+    resp = submit_stream(server.base_url, {**LONG, "priority": "interactive", "max_tokens": 800})
+    job_id = resp.headers["X-Job-Id"]
+    seen = read_events(resp, limit=20)
+    resp.close()
+    time.sleep(0.3)
+    again = requests.get(
+        f"{server.base_url}/v1/jobs/{job_id}/events",
+        headers={"Last-Event-ID": str(seen[-1][0])},
+        stream=True,
+        timeout=60,
+    )
+    seen += read_events(again)
+    assert seen[-1][1] == "[DONE]"
+    assert [i for i, _ in seen] == list(range(1, len(seen) + 1))
+    status = job(server.base_url, job_id)
+    assert status["state"] == "finished" and status["tokens"] == 800
+
+
+def test_a_batch_job_runs_on_without_a_client(server: Server) -> None:
+    resp = submit_stream(server.base_url, {**LONG, "priority": "batch", "max_tokens": 1500})
+    job_id = resp.headers["X-Job-Id"]
+    read_events(resp, limit=5)
+    resp.close()
+    wait_until(lambda: job(server.base_url, job_id)["state"] == "finished", timeout=60)
+    assert job(server.base_url, job_id)["tokens"] == 1500
