@@ -15,6 +15,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import redis
 
@@ -30,6 +32,8 @@ from scheduler.settings import Settings
 from scheduler.state import TERMINAL, JobState
 
 __all__ = ["Worker", "default_worker_name"]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +69,23 @@ class Worker:
         self.rq.register_worker(self.name)
         self.beat()
         log.info("worker %s ready (n_ctx=%d)", self.name, self.engine.n_ctx)
+        backoff = 0.0
         try:
             while not self.stopping.is_set():
-                self.beat(force=False)
-                claim = self.store.claim(self.name, time.time())
-                if claim is None:
-                    self.store.wait_for_work(timeout=min(1.0, self.settings.heartbeat_seconds))
-                    continue
-                self.execute(claim)
+                try:
+                    self.beat(force=False)
+                    claim = self.store.claim(self.name, time.time())
+                    if claim is None:
+                        self.store.wait_for_work(timeout=min(1.0, self.settings.heartbeat_seconds))
+                    else:
+                        self.execute(claim)
+                    backoff = 0.0
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    # Redis restarting: wait and carry on (its AOF keeps the jobs).
+                    backoff = min(5.0, backoff * 2 or 0.2)
+                    log.warning("worker %s: Redis unavailable (%s); retry in %.1f s",
+                                self.name, exc, backoff)  # fmt: skip
+                    time.sleep(backoff)
         finally:
             try:
                 self.store.remove_worker(self.name)
@@ -90,6 +103,12 @@ class Worker:
         if not force and now < self._next_beat:
             return
         self._next_beat = now + self.settings.heartbeat_seconds
+        try:
+            self._beat(now)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("worker %s: heartbeat failed (%s)", self.name, exc)
+
+    def _beat(self, now: float) -> None:
         self.store.heartbeat(self.name, now, self.settings.worker_ttl, self.checkpoints.bytes)
         self.rq.heartbeat(int(self.settings.worker_ttl) + 60)
         for reaped in self.store.reap(now):
@@ -179,8 +198,10 @@ class Worker:
                     ttft = (now - float(record["created_at"])) * 1000
                     self.store.observe(f"ttft_ms:{priority_label(request_level)}", ttft)
                 timing["last"] = now
-            step = self.store.step(
-                job_id, token, self.name, len(gen.generated), first, payloads, latency
+            step = self._retrying(
+                lambda: self.store.step(
+                    job_id, token, self.name, len(gen.generated), first, payloads, latency
+                )
             )
             if self.stopping.is_set():
                 # Shutting down: park (at the next step), so another worker resumes it.
@@ -265,7 +286,9 @@ class Worker:
         kv = self.engine.save_seq(0)
         state = json.dumps(gen.state(), separators=(",", ":"))
         try:
-            outcome = self.store.park(job_id, claim.exec_token, self.name, state, time.time())
+            outcome = self._retrying(
+                lambda: self.store.park(job_id, claim.exec_token, self.name, state, time.time())
+            )
         except Fenced:
             return
         if outcome == "parked":
@@ -287,6 +310,20 @@ class Worker:
             self.store.count("jobs_cancelled")
             self.rq.ended(job_id, "canceled")
             log.info("job %s: cancelled while parking", job_id)
+
+    def _retrying(self, call: Callable[[], T]) -> T:
+        """A write that survives a Redis restart: retried for up to 60 s. Steps
+        and finishes are safe to repeat (events are numbered, writes fenced)."""
+        deadline = time.monotonic() + 60
+        delay = 0.1
+        while True:
+            try:
+                return call()
+            except (redis.ConnectionError, redis.TimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
 
     def _abandoned(self, level: int, detached_at: float) -> bool:
         """An interactive job whose readers left longer ago than the grace period."""
@@ -317,8 +354,10 @@ class Worker:
         # Cancel events are appended after whatever the stream holds (first = 0).
         first = gen.events - len(payloads) + 1 if state is JobState.FINISHED else 0
         try:
-            self.store.finish(
-                job_id, claim.exec_token, self.name, state, fields, first, payloads, time.time()
+            self._retrying(
+                lambda: self.store.finish(
+                    job_id, claim.exec_token, self.name, state, fields, first, payloads, time.time()
+                )
             )
         except Fenced:
             log.warning(

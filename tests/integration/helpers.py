@@ -77,14 +77,20 @@ def read_with_reconnects(
     ``per_connection`` events (and after a broken connection)."""
     seen: list[tuple[int, str]] = []
     while True:
+        before = len(seen)
         with contextlib.suppress(requests.RequestException):
             seen.extend(read_events(resp, limit=per_connection))
         resp.close()
+        if len(seen) == before:
+            time.sleep(0.2)  # the server could not serve the stream (e.g. Redis restarting)
         if seen and seen[-1][1] == "[DONE]":
             return seen
-        resp = requests.get(
-            f"{base_url}/v1/jobs/{job_id}/events",
-            headers={"Last-Event-ID": str(seen[-1][0] if seen else 0)},
-            stream=True,
-            timeout=60,
-        )
+        try:
+            resp = requests.get(
+                f"{base_url}/v1/jobs/{job_id}/events",
+                headers={"Last-Event-ID": str(seen[-1][0] if seen else 0)},
+                stream=True,
+                timeout=60,
+            )
+        except requests.RequestException:
+            time.sleep(0.2)

@@ -1,0 +1,56 @@
+"""Redis restarts (AOF on, as in compose) in the middle of streams."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import RedisServer
+from tests.integration.conftest import TEST_ENV, start_parkq, stop_parkq
+from tests.integration.helpers import (
+    completion_text,
+    job,
+    read_events,
+    read_with_reconnects,
+    submit_stream,
+    wait_until,
+)
+
+AOF = ("--appendonly", "yes", "--appendfsync", "everysec")
+BODY = {"prompt": "survive a restart", "max_tokens": 3000, "temperature": 0,
+        "ignore_eos": True, "priority": "batch"}  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+def test_streams_and_queued_jobs_survive_a_redis_restart(tiny_model: Path, tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path / "redis")
+    redis.start(*AOF)
+    proc, base = start_parkq(tiny_model, redis.url, env=TEST_ENV)
+    try:
+        first = submit_stream(base, BODY)
+        expected = completion_text(read_events(first))
+        resp = submit_stream(base, BODY)
+        job_id = resp.headers["X-Job-Id"]
+        queued = submit_stream(base, {**BODY, "max_tokens": 50})
+        queued_id = queued.headers["X-Job-Id"]
+        queued.close()
+        seen: list = []
+        reader = threading.Thread(
+            target=lambda: seen.extend(read_with_reconnects(base, job_id, resp, 10_000))
+        )
+        reader.start()
+        wait_until(lambda: job(base, job_id)["tokens"] > 200)
+        redis.stop()
+        redis.start(*AOF)
+        wait_until(lambda: requests.get(base + "/healthz", timeout=5).status_code == 200, 30)
+        reader.join(timeout=120)
+        assert seen and seen[-1][1] == "[DONE]"
+        assert [i for i, _ in seen] == list(range(1, len(seen) + 1))
+        assert completion_text(seen) == expected
+        wait_until(lambda: job(base, queued_id)["state"] == "finished", timeout=60)
+    finally:
+        assert stop_parkq(proc) == 0
+        redis.stop()
