@@ -98,13 +98,14 @@ class PrefixCache:
         positions to keep (at least one prompt token is left to prefill)."""
         limit = (len(prompt) - 1) // chunk * chunk
         found: tuple[Prefix, int] | None = None
+        head = tuple(prompt[:limit])
         for entry in self._items.values():
-            n = 0
-            for a, b in zip(entry.tokens, prompt[:limit], strict=False):
-                if a != b:
-                    break
-                n += 1
-            usable = n // chunk * chunk
+            usable = 0  # whole chunks in common, compared a chunk at a time (in C)
+            while (
+                usable + chunk <= min(limit, len(entry.tokens))
+                and entry.tokens[usable : usable + chunk] == head[usable : usable + chunk]
+            ):
+                usable += chunk
             if usable >= chunk and (found is None or usable > found[1]):
                 found = (entry, usable)
         if found is not None:
