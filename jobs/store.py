@@ -216,12 +216,18 @@ class Store:
                 p.hmget(k.worker(w), "job", "exec", "since", "key", "pinned")
             rows = p.execute()
         runners, tokens = [], []
+        working = 0
         for w, (job, exec_, since, key, pinned) in zip(busy, rows, strict=True):
-            if job is None or since is None or key is None or pinned == b"1":
+            if job is None or since is None or key is None:
+                continue  # it finished or parked since the first read: it is idle now
+            working += 1
+            if pinned == b"1":
                 continue  # a worker that never parks is busy but no candidate
             runners.append(Runner(w, _text(job), float(key), float(since)))
             tokens.append(_text(exec_))
-        return runners, len(alive) - len(busy), tokens
+        # A worker that just went idle counts as idle: no one is preempted for a
+        # job it is about to claim.
+        return runners, len(alive) - working, tokens
 
     def maybe_preempt(self, now: float) -> str | None:
         """Flag the worker whose job the best waiting job should interrupt.

@@ -148,3 +148,30 @@ def test_the_holder_takes_its_parked_job_back_at_once(store: Store) -> None:
     store.park("j", claim.exec_token, "holder", "{}", 11.0)
     again = store.claim("holder", 11.01)
     assert again is not None and again.job_id == "j"
+
+
+def test_a_worker_that_just_went_idle_is_not_counted_busy(store: Store) -> None:
+    # Two workers run jobs; one of them parks between the two reads of runners().
+    for name in ("a", "b"):
+        store.heartbeat(name, now=10.0, ttl=100)
+    store.enqueue("low", "completion", {}, 0, 1.0)
+    store.enqueue("high", "completion", {}, 5, 1.0)
+    high = store.claim("a", 10.0)
+    low = store.claim("b", 10.0)
+    assert high is not None and low is not None and low.job_id == "low"
+    real_pipeline = store.r.pipeline
+    calls = {"n": 0}
+
+    def pipeline(*args, **kwargs):  # b parks between the first and the second read
+        calls["n"] += 1
+        if calls["n"] == 2:
+            store.park("low", low.exec_token, "b", "{}", 11.0)
+        return real_pipeline(*args, **kwargs)
+
+    store.r.pipeline = pipeline  # type: ignore[method-assign]
+    try:
+        runners, idle, _ = store.runners(20.0)
+    finally:
+        store.r.pipeline = real_pipeline  # type: ignore[method-assign]
+    assert [r.job_id for r in runners] == ["high"]
+    assert idle == 1
