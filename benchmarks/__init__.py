@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 
 def model_and_chat_format(path: str | None) -> tuple[str, str | None]:
     """The model to measure: ``path``, or the demo model (assembled once)."""
@@ -11,3 +15,10 @@ def model_and_chat_format(path: str | None) -> tuple[str, str | None]:
 
     target = demo_model_target(None)
     return str(target if target.exists() else assemble_demo_model(target)), DEMO_CHAT_FORMAT
+
+
+def write_results(path: str, results: dict[str, Any]) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")

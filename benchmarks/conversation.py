@@ -19,7 +19,7 @@ from typing import Any
 
 import requests
 
-from benchmarks import model_and_chat_format
+from benchmarks import model_and_chat_format, write_results
 from scheduler.settings import load_settings
 from web.launcher import Stack
 
@@ -89,10 +89,7 @@ def main() -> None:
         f"  TTFT p50 with the cache {p50_with * 1000:.0f} ms, "
         f"without {p50_without * 1000:.0f} ms (ratio {result['ratio_p50']:.2f})"
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, result)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import numpy as np
 import redis
 import requests
 
-from benchmarks import model_and_chat_format
+from benchmarks import model_and_chat_format, write_results
 from jobs.engine import LlamaEngine
 from jobs.generation import Generation, GenerationRequest
 from jobs.sampling import SamplingParams
@@ -191,10 +191,7 @@ def main() -> None:
         f"while a long job runs p50 {t['busy_ms_p50']:.0f} ms p95 {t['busy_ms_p95']:.0f} ms "
         f"({t['preemptions']} preemptions in {t['samples']} samples)"
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

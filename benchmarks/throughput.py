@@ -8,7 +8,6 @@ Without --model it uses the demo model. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from benchmarks import model_and_chat_format
+from benchmarks import model_and_chat_format, write_results
 
 PROMPT = "The history of the printing press"
 
@@ -126,10 +125,7 @@ def main() -> None:
         r = results[name]
         print(f"  {name:<18} {r['tokens_per_s']:8.1f} tok/s  ({r['tokens_per_s'] / base:.3f}x)")
     print(f"  pipeline time to first token: {results['parkq_pipeline']['ttft_s'] * 1000:.0f} ms")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

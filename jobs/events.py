@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["DONE", "error_event", "is_terminal"]
+__all__ = ["DONE", "error_event"]
 
 DONE = "[DONE]"
 
@@ -21,7 +21,3 @@ def error_event(message: str, type_: str, code: str) -> str:
         "error": {"message": message, "type": type_, "param": None, "code": code}
     }
     return json.dumps(body, separators=(",", ":"))
-
-
-def is_terminal(data: str) -> bool:
-    return data == DONE

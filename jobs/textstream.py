@@ -7,7 +7,7 @@ them in its checkpoint.
 from __future__ import annotations
 
 import codecs
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["StopMatcher", "Utf8Decoder"]
 
@@ -39,19 +39,15 @@ class StopMatcher:
 
     stops: tuple[str, ...] = ()
     held: str = ""
-    _longest: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.stops = tuple(s for s in self.stops if s)
-        self._longest = max((len(s) for s in self.stops), default=0)
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not self.stops:
             return text, False
-        buf = self.held + text
-        # Search only where a match could newly start.
-        start = max(0, len(self.held) - self._longest + 1)
-        hits = [i for s in self.stops if (i := buf.find(s, start)) != -1]
+        buf = self.held + text  # what is held is shorter than any stop sequence
+        hits = [i for s in self.stops if (i := buf.find(s)) != -1]
         if hits:
             self.held = ""
             return buf[: min(hits)], True

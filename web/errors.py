@@ -13,7 +13,6 @@ __all__ = [
     "Conflict",
     "ContextLengthExceeded",
     "NotFound",
-    "ServiceUnavailable",
     "TooManyRequests",
     "Unauthorized",
     "error_body",
@@ -76,12 +75,6 @@ class TooManyRequests(APIError):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
-
-
-class ServiceUnavailable(APIError):
-    status = 503
-    type = "server_error"
-    code = "service_unavailable"
 
 
 _HTTP_CODES = {
