@@ -117,6 +117,7 @@ class Store:
                 "flag",
                 "reap",
                 "reader",
+                "feed",
             )
         }
 
@@ -125,17 +126,16 @@ class Store:
 
     # -- web side ---------------------------------------------------------
 
-    def enqueue(
+    def job_fields(
         self, job_id: str, kind: str, request: dict[str, Any], level: int, now: float
-    ) -> bool:
-        """Store a new job and make it wait; False if the id is taken."""
-        score = self.policy.score(level, now)
-        fields: dict[str, str] = {
+    ) -> dict[str, str]:
+        """A new job's record, waiting since ``now``."""
+        return {
             "id": job_id,
             "kind": kind,
             "request": json.dumps(request, separators=(",", ":")),
             "priority": str(level),
-            "score": repr(score),
+            "score": repr(self.policy.score(level, now)),
             "state": JobState.QUEUED.value,
             "created_at": repr(now),
             "enqueued_at": repr(now),
@@ -144,13 +144,20 @@ class Store:
             "exec": "0",
             "preemptions": "0",
         }
+
+    def enqueue(
+        self, job_id: str, kind: str, request: dict[str, Any], level: int, now: float
+    ) -> bool:
+        """Store a new job and make it wait; False if the id is taken."""
+        fields = self.job_fields(job_id, kind, request, level, now)
+        score = fields["score"]
         flat = [x for kv in fields.items() for x in kv]
         k = self.keys
         done = int(
             self._run(
                 "enqueue",
                 [k.job(job_id), k.queue, k.wake, k.jobs],
-                [job_id, repr(score), repr(now), self.settings.max_queue, *flat],
+                [job_id, score, repr(now), self.settings.max_queue, *flat],
             )
         )
         if done < 0:
@@ -185,6 +192,11 @@ class Store:
         if not raw:
             return None
         return {_text(a): _text(b) for a, b in raw.items()}
+
+    def batch_of(self, job_id: str) -> str | None:
+        """The id of the batch a job belongs to, if any."""
+        value = self.r.hget(self.keys.job(job_id), "batch")
+        return None if value is None else _text(value)
 
     def queue_position(self, job_id: str) -> int | None:
         rank = self.r.zrank(self.keys.queue, job_id)
@@ -254,10 +266,15 @@ class Store:
         """Raise a worker's own preempt flag (it is shutting down)."""
         self.r.hset(self.keys.worker(worker), "preempt", "1")
 
-    def heartbeat(self, worker: str, now: float, ttl: float, checkpoint_bytes: int = 0) -> None:
+    def heartbeat(
+        self, worker: str, now: float, ttl: float, checkpoint_bytes: int = 0, rss_bytes: int = 0
+    ) -> None:
         with self.r.pipeline(transaction=False) as p:
             p.zadd(self.keys.workers, {worker: now + ttl})
-            p.hset(self.keys.worker(worker), "checkpoint_bytes", checkpoint_bytes)
+            p.hset(
+                self.keys.worker(worker),
+                mapping={"checkpoint_bytes": checkpoint_bytes, "rss_bytes": rss_bytes},
+            )
             p.execute()
 
     def remove_worker(self, worker: str) -> None:

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import redis
 
+from jobs.batches import BatchStore
 from jobs.checkpoints import Checkpoint, CheckpointStore, PrefixCache
 from jobs.engine import Engine, EngineError
 from jobs.events import DONE, error_event
@@ -40,6 +41,15 @@ log = logging.getLogger(__name__)
 
 def default_worker_name() -> str:
     return f"{socket.gethostname()}.{os.getpid()}"
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (0 where /proc is not available)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class Worker:
@@ -79,6 +89,7 @@ class Worker:
                         self.store.wait_for_work(timeout=min(1.0, self.settings.heartbeat_seconds))
                     else:
                         self.execute(claim)
+                        self._feed_batch(claim.job_id)
                     backoff = 0.0
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     # Redis restarting: wait and carry on (its AOF keeps the jobs).
@@ -109,7 +120,9 @@ class Worker:
             log.warning("worker %s: heartbeat failed (%s)", self.name, exc)
 
     def _beat(self, now: float) -> None:
-        self.store.heartbeat(self.name, now, self.settings.worker_ttl, self.checkpoints.bytes)
+        self.store.heartbeat(
+            self.name, now, self.settings.worker_ttl, self.checkpoints.bytes, resident_bytes()
+        )
         self.rq.heartbeat(int(self.settings.worker_ttl) + 60)
         for reaped in self.store.reap(now):
             self.rq.forget_worker(reaped.worker)
@@ -129,6 +142,12 @@ class Worker:
                 if state is None or JobState(state) in TERMINAL:
                     self.checkpoints.drop(job_id)
                     log.info("job %s: ended while parked; checkpoint freed", job_id)
+
+    def _feed_batch(self, job_id: str) -> None:
+        """A batch's job left this worker: queue the batch's next lines."""
+        batch = self.store.batch_of(job_id)
+        if batch is not None:
+            BatchStore(self.store).feed(batch)
 
     # -- one job ----------------------------------------------------------
 

@@ -97,3 +97,53 @@ class Keys:
     def worker(self, name: str) -> str:
         """Hash of one worker: its job, execution token, since, key, preempt flag."""
         return f"{self.worker_prefix}{name}"
+
+    @property
+    def files(self) -> str:
+        """Sorted set of uploaded and generated file ids scored by creation time."""
+        return f"{self.base}:files"
+
+    def file(self, file_id: str) -> str:
+        """Hash of one file's metadata (the OpenAI file object's fields)."""
+        return f"{self.base}:file:{file_id}"
+
+    def file_content(self, file_id: str) -> str:
+        """String holding one file's bytes."""
+        return f"{self.base}:file:{file_id}:content"
+
+    @property
+    def batches(self) -> str:
+        """Sorted set of batch ids scored by creation time."""
+        return f"{self.base}:batches"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash of one batch: the OpenAI batch object's fields and its counts."""
+        return f"{self.base}:batch:{batch_id}"
+
+    def batch_items(self, batch_id: str) -> str:
+        """List of a batch's valid lines in input order: ``{"custom_id", "job"}`` JSON."""
+        return f"{self.base}:batch:{batch_id}:items"
+
+    def batch_pending(self, batch_id: str) -> str:
+        """List of the job ids of a batch's lines not yet in the queue, in order."""
+        return f"{self.base}:batch:{batch_id}:pending"
+
+    @property
+    def pending_prefix(self) -> str:
+        return f"{self.base}:pending:"
+
+    def pending(self, job_id: str) -> str:
+        """Hash of a batch line's job record before it is queued (renamed to its job key)."""
+        return f"{self.pending_prefix}{job_id}"
+
+    def batch_live(self, batch_id: str) -> str:
+        """Set of a batch's job ids in the queue or running (at most the window)."""
+        return f"{self.base}:batch:{batch_id}:live"
+
+    def batch_invalid(self, batch_id: str) -> str:
+        """List of error-file lines for a batch's invalid input lines."""
+        return f"{self.base}:batch:{batch_id}:invalid"
+
+    def batch_lock(self, batch_id: str) -> str:
+        """Held while one web process writes a batch's output files."""
+        return f"{self.base}:batch:{batch_id}:lock"

@@ -91,6 +91,20 @@ class Settings(BaseSettings):
         10.0, gt=0, description="A worker whose heartbeat is older than this is dead."
     )
     heartbeat_seconds: float = Field(2.0, gt=0, description="Worker heartbeat period.")
+    batch_max_file_bytes: int = Field(
+        100 * 1024 * 1024,
+        ge=1,
+        description="Largest file /v1/files accepts, in bytes (files are kept in Redis).",
+    )
+    batch_max_lines: int = Field(
+        50_000, ge=1, description="Most requests (lines) in one batch input file."
+    )
+    batch_window: int = Field(
+        4,
+        ge=1,
+        description="Lines of one batch waiting or running at a time; the rest wait in the "
+        "batch, so a large batch neither fills the queue nor ages ahead of interactive work.",
+    )
     result_ttl: int = Field(
         86400, ge=1, description="Seconds a finished job and its events are kept."
     )

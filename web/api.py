@@ -10,6 +10,7 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
 
+from jobs.batches import BatchStore
 from jobs.events import DONE
 from jobs.generation import GenerationRequest
 from jobs.sampling import SamplingParams
@@ -24,8 +25,16 @@ from web.errors import (
     NotFound,
     TooManyRequests,
 )
+from web.responses import assemble
 from web.runtime import Runtime
-from web.schemas import ChatRequest, CompletionRequest, _Common, parse
+from web.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _Common,
+    parse,
+)
 
 __all__ = ["bp"]
 
@@ -198,43 +207,7 @@ def _aggregate(job_id: str, gen: GenerationRequest) -> dict[str, Any]:
     chunks = _collect(job_id)
     record = rt().store.get(job_id) or {}
     usage = json.loads(record.get("usage", "null"))
-    finish = None
-    text: list[str] = []
-    chat_lp: list[Any] = []
-    tool_calls: list[Any] = []
-    cmpl_lp: dict[str, list[Any]] = {
-        "tokens": [],
-        "token_logprobs": [],
-        "top_logprobs": [],
-        "text_offset": [],
-    }
-    for chunk in chunks:
-        for choice in chunk["choices"]:
-            finish = choice.get("finish_reason") or finish
-            lp = choice.get("logprobs")
-            if gen.kind == "chat":
-                text.append(choice["delta"].get("content") or "")
-                tool_calls.extend(choice["delta"].get("tool_calls") or [])
-                if lp:
-                    chat_lp.extend(lp["content"])
-            else:
-                text.append(choice.get("text") or "")
-                if lp:
-                    for key, values in cmpl_lp.items():
-                        values.extend(lp[key])
-    base = {"id": job_id, "created": gen.created, "model": gen.model, "usage": usage}
-    if gen.kind == "chat":
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
-        if tool_calls:
-            message["tool_calls"] = [
-                {k: v for k, v in call.items() if k != "index"} for call in tool_calls
-            ]
-        logprobs = {"content": chat_lp} if gen.logprobs else None
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-        return {**base, "object": "chat.completion", "choices": [choice]}
-    logprobs_c = cmpl_lp if gen.logprobs else None
-    choice = {"index": 0, "text": "".join(text), "logprobs": logprobs_c, "finish_reason": finish}
-    return {**base, "object": "text_completion", "choices": [choice]}
+    return assemble(job_id, gen, chunks, usage)
 
 
 def _run(prefix: str, req: _Common, level: int, gen: GenerationRequest) -> Any:
@@ -270,6 +243,36 @@ def models() -> Any:
         "context_length": runtime.n_ctx,
     }
     return jsonify({"object": "list", "data": [model]})
+
+
+@bp.post("/v1/tokenize")
+def tokenize() -> Any:
+    """parkq extension: token ids of a text, or of chat messages after the template."""
+    req = parse(TokenizeRequest, _body())
+    runtime = rt()
+    if (req.text is None) == (req.messages is None):
+        raise BadRequest("Give exactly one of 'text' and 'messages'.")
+    if req.messages is not None:
+        messages = [m.as_template_input() for m in req.messages]
+        try:
+            prompt, _ = runtime.vocab.chat_prompt(messages)
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="messages") from None
+        ids = runtime.vocab.tokenize(prompt, special=True)
+    else:
+        ids = runtime.vocab.tokenize(req.text or "", add_bos=False, special=False)
+    return jsonify({"tokens": ids, "count": len(ids), "context_length": runtime.n_ctx})
+
+
+@bp.post("/v1/detokenize")
+def detokenize() -> Any:
+    """parkq extension: the text of token ids (invalid UTF-8 replaced)."""
+    req = parse(DetokenizeRequest, _body())
+    vocab = rt().vocab
+    if any(t >= vocab.n_vocab for t in req.tokens):
+        raise BadRequest("token id out of the vocabulary", param="tokens")
+    text = b"".join(vocab.token_bytes(t) for t in req.tokens).decode("utf-8", errors="replace")
+    return jsonify({"text": text})
 
 
 @bp.get("/healthz")
@@ -346,6 +349,8 @@ def cancel_job(job_id: str) -> Any:
     result = runtime.store.cancel(job_id, time.time())
     if result is None:
         raise NotFound(f"No job with id '{job_id}'.", param="job_id")
+    if (batch := runtime.store.batch_of(job_id)) is not None:
+        BatchStore(runtime.store).feed(batch)  # its place in the batch's window is free
     if result == "cancelled":
         runtime.store.count("jobs_cancelled")
         runtime.rq.canceled(job_id)

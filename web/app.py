@@ -54,10 +54,12 @@ def create_app(
     errors.init_app(app)
     auth.init_app(app, settings.api_key_list)
     from web.api import bp
+    from web.batches import bp as batches_bp
     from web.dashboard import bp as dashboard_bp
     from web.metrics import bp as metrics_bp
 
     app.register_blueprint(bp)
+    app.register_blueprint(batches_bp)
     app.register_blueprint(metrics_bp)
     app.register_blueprint(dashboard_bp)
     return app

@@ -246,6 +246,195 @@ def bench(model: str | None, quick: bool, duration: float | None, rate: float | 
     run_bench(settings, workload, eos, out, click.echo)
 
 
+@main.command("batch")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--prompt", help="The instruction applied to every document.")
+@click.option("--task", type=click.Choice(["summarize"]), help="A built-in instruction.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("results.jsonl"), show_default=True,
+              help="JSONL results, one line per document (also what a rerun skips).")  # fmt: skip
+@click.option("--url", help="A running parkq (default: start one here).")
+@click.option("--api-key", envvar="PARKQ_API_KEY", help="Key for --url (env PARKQ_API_KEY).")
+@_model_opt
+@click.option("--max-tokens", type=int, default=256, show_default=True,
+              help="Answer length of each request.")  # fmt: skip
+@click.option("--overlap", type=int, default=64, show_default=True,
+              help="Tokens shared by consecutive parts of a long document.")  # fmt: skip
+@click.option("--parallel", type=int, default=4, show_default=True,
+              help="Documents in flight at once.")  # fmt: skip
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def batch(paths: tuple[Path, ...], prompt: str | None, task: str | None, out: Path,
+          url: str | None, api_key: str | None, model: str | None, max_tokens: int,
+          overlap: int, parallel: int, seed: int, temperature: float,
+          no_progress: bool) -> None:  # fmt: skip
+    """Process text and Markdown documents (files or folders) at batch priority.
+
+    Long documents are split into overlapping token windows; the partial results
+    are combined into one per document. Results already in --out are kept and
+    their documents skipped. Exits 1 and lists the failures if any document failed.
+    """
+    from web.documents import SUMMARIZE, Client, DocumentError, Task, collect, run_batch
+
+    if prompt and task:
+        raise click.UsageError("give --prompt or --task, not both")
+    spec = Task(
+        instruction=prompt or SUMMARIZE,
+        max_tokens=max_tokens,
+        overlap=overlap,
+        temperature=temperature,
+        seed=seed,
+    )
+    try:
+        docs = collect(paths)
+    except DocumentError as exc:
+        raise click.ClickException(str(exc)) from None
+    if not docs:
+        raise click.ClickException("no .txt or .md documents found")
+
+    def go(base_url: str, key: str | None) -> Any:
+        return run_batch(
+            Client(base_url, key), docs, spec, out, parallel, None if no_progress else _bar
+        )
+
+    if url:
+        summary = go(url, api_key)
+    else:
+        from web.launcher import Stack
+
+        settings = _resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
+        configure_logging(settings.log_level, settings.log_format)
+        click.echo("parkq: starting (embedded Redis, web server, one worker)...", err=True)
+        with Stack(settings) as stack:
+            keys = stack.settings.api_key_list
+            summary = go(stack.base_url, keys[0] if keys else None)
+    rate = summary.completion_tokens / summary.seconds if summary.seconds else 0.0
+    click.echo(
+        f"parkq batch: {summary.completed} done, {summary.skipped} already done, "
+        f"{len(summary.failures)} failed of {summary.documents} documents in "
+        f"{summary.seconds:.1f} s ({summary.completion_tokens} tokens, {rate:.1f} tok/s"
+        + (f", {summary.preemptions} preemptions" if summary.preemptions is not None else "")
+        + f"); results in {out}",
+        err=True,
+    )
+    if summary.failures:
+        for path, why in summary.failures:
+            click.echo(f"  failed: {path}: {why}", err=True)
+        sys.exit(1)
+
+
+def _bar(total: int, skipped: int) -> Any:
+    """A tqdm bar: documents done, tokens per second, ETA."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="doc", desc="documents", dynamic_ncols=True)
+    start = time.monotonic()
+
+    def update(ended: int, tokens: int) -> None:
+        bar.update(ended - bar.n)
+        rate = tokens / max(1e-6, time.monotonic() - start)
+        bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=True)
+        if ended >= total:
+            bar.close()
+
+    if total == 0:
+        bar.close()
+    return update
+
+
+@main.command()
+@click.option("--duration", default="10m", show_default=True, help="How long: 90s, 10m, 1h.")
+@click.option("--url", help="A running parkq (default: start one here).")
+@click.option("--api-key", envvar="PARKQ_API_KEY", help="Key for --url (env PARKQ_API_KEY).")
+@_model_opt
+@click.option("--tiny", is_flag=True, help="Use the tiny generated test model (fast, for CI).")
+@click.option("--workers", type=int, default=1, show_default=True, help="Workers to start.")
+@click.option("--rate", type=float, default=0.1, show_default=True,
+              help="Interactive requests per second (Poisson).")  # fmt: skip
+@click.option("--batch-clients", type=int, default=2, show_default=True,
+              help="Clients each keeping one batch job running.")  # fmt: skip
+@click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the report as JSON here.")  # fmt: skip
+def soak(duration: str, url: str | None, api_key: str | None, model: str | None,
+         tiny: bool, workers: int, rate: float, batch_clients: int, seed: int,
+         out: Path | None) -> None:  # fmt: skip
+    """Run a mixed workload for a while; exit 1 on any unexpected error or lost job.
+
+    Interactive and batch requests (greedy, drawn from a small set, so a
+    repeated request must give the same text), cancellations, readers that
+    reconnect with Last-Event-ID, and the preemptions all this causes.
+    """
+    import json
+    import tempfile
+
+    from web.soak import SoakPlan, parse_duration, run_soak
+
+    try:
+        seconds = parse_duration(duration)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--duration") from None
+    # The tiny model is ~100x faster: longer batch jobs keep preemption frequent.
+    lengths = {"interactive_tokens": (8, 16, 24), "batch_tokens": (200, 400, 600)} if tiny else {}
+    plan = SoakPlan(
+        duration=seconds,
+        interactive_rate=rate,
+        batch_clients=batch_clients,
+        seed=seed,
+        **lengths,  # type: ignore[arg-type]
+    )
+    if url:
+        report = run_soak(url.rstrip("/"), plan, api_key, click.echo)
+    else:
+        from web.launcher import Stack
+
+        if tiny and model is None:
+            from jobs.testmodel import write_test_model
+
+            model = str(write_test_model(Path(tempfile.mkdtemp()) / "tiny.gguf"))
+        settings = _resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
+        configure_logging(settings.log_level, settings.log_format)
+        click.echo(f"parkq: starting a stack for a {duration} soak...")
+        with Stack(settings, workers=workers) as stack:
+            keys = stack.settings.api_key_list
+            report = run_soak(stack.base_url, plan, keys[0] if keys else None, click.echo)
+    for line in _soak_table(report):
+        click.echo(line)
+    if out:
+        out.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    if not report.ok:
+        for message in report.errors:
+            click.echo(f"  error: {message}", err=True)
+        sys.exit(1)
+
+
+def _soak_table(report: Any) -> list[str]:
+    mib = 1024 * 1024
+
+    def mem(value: int | None) -> str:
+        return "n/a" if value is None else f"{value / mib:.0f} MiB"
+
+    rows = [
+        ("duration", f"{report.duration_s:.0f} s"),
+        ("requests", report.requests),
+        ("completions", report.completions),
+        ("cancellations", report.cancellations),
+        ("refused (429)", report.refused_429),
+        ("reconnects", report.reconnects),
+        ("preemptions", report.preemptions),
+        ("tokens generated", report.tokens),
+        ("lost jobs", report.lost),
+        ("unexpected errors", report.unexpected_errors),
+    ]
+    for priority, q in report.ttft_ms.items():
+        rows.append((f"TTFT {priority} p50 / p95", f"{q['p50']} / {q['p95']} ms (n={q['n']})"))
+    rows.append(("worker memory start / end", f"{mem(report.worker_rss_start)} / "
+                 f"{mem(report.worker_rss_end)}"))  # fmt: skip
+    rows.append(("result", "OK" if report.ok else "FAILED"))
+    return [f"{name:<28} {value}" for name, value in rows]
+
+
 def _eog_ids(vocab: Any) -> list[int]:
     return [t for t in range(min(vocab.n_vocab, 300)) if vocab.is_eog(t)]
 

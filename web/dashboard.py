@@ -64,7 +64,7 @@ def state() -> Response:
         for job_id in waiting:
             p.hmget(keys.job(job_id), "priority", "state", "enqueued_at", "tokens", "kind")
         for w in alive:
-            p.hmget(keys.worker(w), "job", "checkpoint_bytes")
+            p.hmget(keys.worker(w), "job", "checkpoint_bytes", "rss_bytes")
         rows = p.execute()
     queue = []
     for job_id, (level, st, enq, tokens, kind) in zip(waiting, rows, strict=False):
@@ -77,8 +77,13 @@ def state() -> Response:
             "kind": (kind or b"").decode(),
         })  # fmt: skip
     workers = []
-    for w, (job, held) in zip(alive, rows[len(waiting) :], strict=False):
-        entry: dict[str, Any] = {"name": w, "checkpoint_bytes": int(held or 0), "job": None}
+    for w, (job, held, rss) in zip(alive, rows[len(waiting) :], strict=False):
+        entry: dict[str, Any] = {
+            "name": w,
+            "checkpoint_bytes": int(held or 0),
+            "rss_bytes": int(rss or 0),
+            "job": None,
+        }
         if job:
             rec = store.get(job.decode()) or {}
             entry["job"] = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import Flask, jsonify
+from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "Conflict",
     "ContextLengthExceeded",
     "NotFound",
+    "PayloadTooLarge",
     "TooManyRequests",
     "Unauthorized",
     "error_body",
@@ -67,6 +68,12 @@ class Conflict(APIError):
     code = "conflict"
 
 
+class PayloadTooLarge(APIError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
 class TooManyRequests(APIError):
     status = 429
     type = "rate_limit_error"
@@ -100,7 +107,7 @@ def init_app(app: Flask) -> None:
         type_, code = _HTTP_CODES.get(status, ("server_error", "http_error"))
         message = exc.description or exc.name
         if status == 413:
-            limit = app.config.get("MAX_CONTENT_LENGTH")
+            limit = request.max_content_length
             message = f"Request body is larger than the limit of {limit} bytes."
         return jsonify(error_body(message, type_, None, code)), status
 

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from web.errors import BadRequest
 
-__all__ = ["ChatRequest", "CompletionRequest", "parse"]
+__all__ = ["ChatRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest", "parse"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -106,6 +106,19 @@ class CompletionRequest(_Common):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """Either ``text`` (tokenized as is) or chat ``messages`` (through the chat template)."""
+
+    model_config = ConfigDict(extra="ignore")
+    text: str | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 def parse(model: type[M], body: Any) -> M:

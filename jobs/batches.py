@@ -1,0 +1,254 @@
+"""Files and batches (the OpenAI Batch API) in Redis.
+
+A batch's valid lines become jobs, but not all at once: each line's job
+record waits in a pending hash, and :meth:`BatchStore.feed` moves up to
+``batch_window`` of them into the queue at a time (one Lua script, so two
+callers never overfill it). A batch of 50,000 lines therefore neither fills
+the queue nor, as its lines age, gets ahead of interactive requests. Whoever
+ends one of its jobs (the worker, a cancel, the reaper) or reads the batch
+feeds it again; feeding is idempotent.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from jobs.store import Store
+from scheduler.policy import PRIORITY_LEVELS
+from scheduler.state import JobState
+
+__all__ = ["BATCH_LEVEL", "BatchStore", "Counts", "Item", "new_id"]
+
+BATCH_LEVEL = PRIORITY_LEVELS["batch"]
+
+#: States of a job that still holds a place in its batch's window.
+LIVE = (JobState.QUEUED, JobState.RUNNING, JobState.PARKING, JobState.PARKED)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One valid line of a batch: its ``custom_id`` and its job id."""
+
+    custom_id: str
+    job: str
+
+
+@dataclass(frozen=True)
+class Counts:
+    total: int
+    completed: int
+    failed: int
+    #: Lines whose job has not ended (pending in the batch, queued or running).
+    open: int
+
+
+class BatchStore:
+    """Files, batches and their lines, next to the jobs of ``store``."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.r: redis.Redis = store.r
+        self.keys = store.keys
+        self.settings = store.settings
+
+    # -- files ------------------------------------------------------------
+
+    def create_file(
+        self, filename: str, purpose: str, content: bytes, now: float
+    ) -> dict[str, Any]:
+        file_id = new_id("file")
+        meta = {
+            "id": file_id,
+            "object": "file",
+            "bytes": len(content),
+            "created_at": int(now),
+            "filename": filename,
+            "purpose": purpose,
+            "status": "processed",
+        }
+        k = self.keys
+        with self.r.pipeline() as p:
+            p.set(k.file_content(file_id), content)
+            p.hset(k.file(file_id), mapping={key: str(v) for key, v in meta.items()})
+            p.zadd(k.files, {file_id: now})
+            p.execute()
+        return self._file_object(meta)
+
+    @staticmethod
+    def _file_object(meta: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": meta["id"],
+            "object": "file",
+            "bytes": int(meta["bytes"]),
+            "created_at": int(meta["created_at"]),
+            "filename": meta["filename"],
+            "purpose": meta["purpose"],
+            "status": meta.get("status", "processed"),
+            "expires_at": None,
+            "status_details": None,
+        }
+
+    def get_file(self, file_id: str) -> dict[str, Any] | None:
+        raw = self.r.hgetall(self.keys.file(file_id))
+        if not raw:
+            return None
+        return self._file_object({_text(a): _text(b) for a, b in raw.items()})
+
+    def file_content(self, file_id: str) -> bytes | None:
+        data = self.r.get(self.keys.file_content(file_id))
+        return None if data is None else bytes(data)
+
+    def list_files(self, purpose: str | None = None) -> list[dict[str, Any]]:
+        ids = [_text(x) for x in self.r.zrevrange(self.keys.files, 0, 9999)]
+        files = [f for f in (self.get_file(i) for i in ids) if f is not None]
+        return [f for f in files if purpose is None or f["purpose"] == purpose]
+
+    def delete_file(self, file_id: str) -> bool:
+        k = self.keys
+        with self.r.pipeline() as p:
+            p.delete(k.file(file_id), k.file_content(file_id))
+            p.zrem(k.files, file_id)
+            deleted, _ = p.execute()
+        return bool(deleted)
+
+    # -- batches ------------------------------------------------------------
+
+    def create_batch(
+        self,
+        record: dict[str, str],
+        lines: list[tuple[str, str, str, dict[str, Any]]],
+        invalid: list[dict[str, Any]],
+        now: float,
+    ) -> None:
+        """Store a batch: ``lines`` are (job id, custom_id, kind, request) of its valid lines
+        (each becomes a pending job), ``invalid`` the error-file lines of the others."""
+        k = self.keys
+        batch_id = record["id"]
+        with self.r.pipeline(transaction=False) as p:
+            for start in range(0, len(lines), 1000):
+                items, pending = [], []
+                for job_id, custom_id, kind, request in lines[start : start + 1000]:
+                    fields = self.store.job_fields(job_id, kind, request, BATCH_LEVEL, now)
+                    fields.update(batch=batch_id, custom_id=custom_id)
+                    p.hset(k.pending(job_id), mapping=fields)
+                    items.append(json.dumps({"custom_id": custom_id, "job": job_id}))
+                    pending.append(job_id)
+                p.rpush(k.batch_items(batch_id), *items)
+                p.rpush(k.batch_pending(batch_id), *pending)
+                p.execute()
+            if invalid:
+                p.rpush(k.batch_invalid(batch_id), *(json.dumps(x) for x in invalid))
+            p.hset(k.batch(batch_id), mapping=record)
+            p.zadd(k.batches, {batch_id: now})
+            p.execute()
+
+    def get(self, batch_id: str) -> dict[str, str] | None:
+        raw = self.r.hgetall(self.keys.batch(batch_id))
+        if not raw:
+            return None
+        return {_text(a): _text(b) for a, b in raw.items()}
+
+    def update(self, batch_id: str, fields: dict[str, str]) -> None:
+        self.r.hset(self.keys.batch(batch_id), mapping=fields)
+
+    def list_ids(self, after: str | None, limit: int) -> tuple[list[str], bool]:
+        """Batch ids, newest first, after the id ``after``; and whether more follow."""
+        start = 0
+        if after is not None:
+            rank = self.r.zrevrank(self.keys.batches, after)
+            if rank is None:
+                return [], False
+            start = int(rank) + 1
+        ids = [_text(x) for x in self.r.zrevrange(self.keys.batches, start, start + limit)]
+        return ids[:limit], len(ids) > limit
+
+    def feed(self, batch_id: str, now: float | None = None) -> int:
+        """Top the batch's window up from its pending lines; how many were queued."""
+        k = self.keys
+        now = time.time() if now is None else now
+        fed = self.store._run(
+            "feed",
+            [
+                k.batch(batch_id),
+                k.batch_pending(batch_id),
+                k.batch_live(batch_id),
+                k.queue,
+                k.wake,
+                k.jobs,
+            ],
+            [
+                repr(now),
+                k.job_prefix,
+                self.settings.batch_window,
+                repr(self.store.policy.score(BATCH_LEVEL, now)),
+                ",".join(s.value for s in LIVE),
+                k.pending_prefix,
+            ],
+        )
+        return int(fed)
+
+    def items(self, batch_id: str) -> Iterator[Item]:
+        key = self.keys.batch_items(batch_id)
+        n = int(self.r.llen(key))
+        for start in range(0, n, 1000):
+            for raw in self.r.lrange(key, start, start + 999):
+                d = json.loads(raw)
+                yield Item(d["custom_id"], d["job"])
+
+    def invalid_lines(self, batch_id: str) -> list[dict[str, Any]]:
+        return [json.loads(x) for x in self.r.lrange(self.keys.batch_invalid(batch_id), 0, -1)]
+
+    def states(self, items: list[Item]) -> list[str | None]:
+        """Each item's job state (None: still pending in the batch, or expired)."""
+        out: list[str | None] = []
+        for start in range(0, len(items), 1000):
+            with self.r.pipeline(transaction=False) as p:
+                for item in items[start : start + 1000]:
+                    p.hget(self.keys.job(item.job), "state")
+                out.extend(None if s is None else _text(s) for s in p.execute())
+        return out
+
+    def counts(self, batch_id: str, invalid: int) -> tuple[Counts, list[Item], list[str | None]]:
+        items = list(self.items(batch_id))
+        states = self.states(items)
+        pending = int(self.r.llen(self.keys.batch_pending(batch_id)))
+        completed = sum(1 for s in states if s == JobState.FINISHED)
+        failed = sum(1 for s in states if s == JobState.FAILED) + invalid
+        live = sum(1 for s in states if s in LIVE)
+        counts = Counts(len(items) + invalid, completed, failed, live + pending)
+        return counts, items, states
+
+    def drop_pending(self, batch_id: str) -> list[str]:
+        """Remove the lines not yet queued (a cancelled batch); their job ids."""
+        k = self.keys
+        ids = [_text(x) for x in self.r.lrange(k.batch_pending(batch_id), 0, -1)]
+        with self.r.pipeline() as p:
+            p.delete(k.batch_pending(batch_id))
+            for start in range(0, len(ids), 1000):
+                p.delete(*(k.pending(i) for i in ids[start : start + 1000]))
+            p.execute()
+        return ids
+
+    def live_jobs(self, batch_id: str) -> list[str]:
+        return [_text(x) for x in self.r.smembers(self.keys.batch_live(batch_id))]
+
+    def lock(self, batch_id: str, seconds: int = 300) -> bool:
+        return bool(self.r.set(self.keys.batch_lock(batch_id), "1", nx=True, ex=seconds))
+
+    def unlock(self, batch_id: str) -> None:
+        self.r.delete(self.keys.batch_lock(batch_id))

@@ -1,0 +1,220 @@
+"""The Files and Batch API with Flask's test client, fakeredis, the fake engine
+and a real worker loop."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from typing import Any
+
+import fakeredis
+import pytest
+from flask.testing import FlaskClient
+
+from jobs.worker import Worker
+from scheduler.settings import Settings
+from tests.fakes import FakeEngine, FakeVocab
+from web.app import create_app
+
+
+@pytest.fixture
+def bsettings(settings: Settings) -> Settings:
+    return settings.model_copy(
+        update={"batch_window": 2, "batch_max_lines": 20, "batch_max_file_bytes": 4000}
+    )
+
+
+@pytest.fixture
+def client(bsettings: Settings, fake_redis: fakeredis.FakeRedis) -> FlaskClient:
+    return create_app(bsettings, vocab=FakeVocab(), client=fake_redis).test_client()
+
+
+def _line(custom_id: str, text: str, url: str = "/v1/chat/completions") -> str:
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def _upload(client: FlaskClient, lines: list[str], purpose: str = "batch") -> Any:
+    data = {"purpose": purpose, "file": (io.BytesIO("\n".join(lines).encode()), "in.jsonl")}
+    return client.post("/v1/files", data=data, content_type="multipart/form-data")
+
+
+def _create(client: FlaskClient, file_id: str, endpoint: str = "/v1/chat/completions") -> Any:
+    return client.post(
+        "/v1/batches",
+        json={"input_file_id": file_id, "endpoint": endpoint, "completion_window": "24h"},
+    )
+
+
+def _wait_status(client: FlaskClient, batch_id: str, statuses: set[str]) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        body = client.get(f"/v1/batches/{batch_id}").get_json()
+        if body["status"] in statuses:
+            return dict(body)
+        time.sleep(0.02)
+    raise AssertionError(f"batch never reached {statuses}: {body}")
+
+
+def _jsonl(client: FlaskClient, file_id: str) -> list[dict[str, Any]]:
+    resp = client.get(f"/v1/files/{file_id}/content")
+    assert resp.status_code == 200
+    return [json.loads(x) for x in resp.get_data(as_text=True).splitlines()]
+
+
+def test_a_batch_runs_every_valid_line_and_reports_the_invalid_ones(
+    client: FlaskClient, fake_redis: fakeredis.FakeRedis, bsettings: Settings
+) -> None:
+    lines = [_line(f"req-{i}", f"hello {i}") for i in range(6)]
+    lines.insert(2, "{not json")
+    lines.append(_line("req-1", "a second req-1"))
+    lines.append(_line("req-x", "wrong url", url="/v1/completions"))
+    up = _upload(client, lines)
+    assert up.status_code == 200, up.get_json()
+    file_obj = up.get_json()
+    assert file_obj["object"] == "file" and file_obj["purpose"] == "batch"
+    assert file_obj["bytes"] == len("\n".join(lines).encode())
+
+    created = _create(client, file_obj["id"])
+    assert created.status_code == 200, created.get_json()
+    batch = created.get_json()
+    assert batch["status"] == "in_progress"
+    assert batch["request_counts"]["total"] == 9
+    # Only the window is in the queue: a big batch neither fills it nor ages ahead.
+    assert fake_redis.zcard(bsettings.keys.queue) == 2
+
+    w = Worker(bsettings, FakeEngine(), fake_redis, name="w1")
+    thread = threading.Thread(target=w.run)
+    thread.start()
+    try:
+        done = _wait_status(client, batch["id"], {"completed", "failed"})
+    finally:
+        w.stop()
+        thread.join(timeout=10)
+    assert done["status"] == "completed"
+    assert done["request_counts"] == {"total": 9, "completed": 6, "failed": 3}
+    out = _jsonl(client, done["output_file_id"])
+    assert [x["custom_id"] for x in out] == [f"req-{i}" for i in range(6)]
+    for row in out:
+        assert row["error"] is None
+        assert row["response"]["status_code"] == 200
+        body = row["response"]["body"]
+        assert body["object"] == "chat.completion"
+        assert body["usage"]["completion_tokens"] == 4
+        assert isinstance(body["choices"][0]["message"]["content"], str)
+    errors = {(x["custom_id"], x["error"]["code"]) for x in _jsonl(client, done["error_file_id"])}
+    assert errors == {
+        (None, "invalid_json_line"),
+        ("req-1", "duplicate_custom_id"),
+        ("req-x", "mismatched_url"),
+    }
+    # Listed, and still there for a new web process reading the same Redis.
+    again = create_app(bsettings, vocab=FakeVocab(), client=fake_redis).test_client()
+    assert again.get(f"/v1/batches/{batch['id']}").get_json()["status"] == "completed"
+    listed = again.get("/v1/batches?limit=5").get_json()
+    assert [b["id"] for b in listed["data"]] == [batch["id"]]
+
+
+def test_batch_lines_run_at_batch_priority_behind_interactive_requests(
+    client: FlaskClient, fake_redis: fakeredis.FakeRedis, bsettings: Settings
+) -> None:
+    file_id = _upload(client, [_line(f"r{i}", "x") for i in range(3)]).get_json()["id"]
+    _create(client, file_id)
+    resp = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "stream": True},
+    )
+    resp.close()
+    head = fake_redis.zrange(bsettings.keys.queue, 0, 0)[0].decode()
+    assert head.startswith("chatcmpl-")
+    for job_id in fake_redis.zrange(bsettings.keys.queue, 1, -1):
+        assert fake_redis.hget(bsettings.keys.job(job_id.decode()), "priority") == b"0"
+
+
+def test_cancelling_a_batch_cancels_its_queued_and_pending_lines(client: FlaskClient) -> None:
+    file_id = _upload(client, [_line(f"r{i}", "x") for i in range(5)]).get_json()["id"]
+    batch = _create(client, file_id).get_json()
+    resp = client.post(f"/v1/batches/{batch['id']}/cancel")
+    assert resp.status_code == 200
+    done = _wait_status(client, batch["id"], {"cancelled"})
+    assert done["cancelled_at"] and done["output_file_id"] is None
+    rows = _jsonl(client, done["error_file_id"])
+    assert sorted(x["custom_id"] for x in rows) == [f"r{i}" for i in range(5)]
+    assert {x["error"]["code"] for x in rows} == {"batch_cancelled"}
+    again = client.post(f"/v1/batches/{batch['id']}/cancel")
+    assert again.status_code == 409
+
+
+def test_a_file_of_only_invalid_lines_fails_the_batch(client: FlaskClient) -> None:
+    file_id = _upload(client, ['{"custom_id": "a"}', "[1, 2]"]).get_json()["id"]
+    batch = _create(client, file_id).get_json()
+    assert batch["status"] == "failed"
+    assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+    assert [e["line"] for e in batch["errors"]["data"]] == [1, 2]
+    assert len(_jsonl(client, batch["error_file_id"])) == 2
+
+
+@pytest.mark.parametrize(
+    ("lines", "purpose", "status", "param"),
+    [
+        ([_line("a", "x" * 5000)], "batch", 413, None),
+        ([_line(f"r{i}", "x") for i in range(21)], "batch", 400, "file"),
+        ([_line("a", "x")], "fine-tune", 400, "purpose"),
+        ([""], "batch", 400, "file"),
+    ],
+)
+def test_file_limits_give_clear_errors(
+    client: FlaskClient, lines: list[str], purpose: str, status: int, param: str | None
+) -> None:
+    resp = _upload(client, lines, purpose)
+    assert resp.status_code == status
+    err = resp.get_json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert client.get("/v1/files").get_json()["data"] == []
+
+
+def test_bad_batch_requests_are_refused_and_leave_nothing(client: FlaskClient) -> None:
+    file_id = _upload(client, [_line("a", "x")]).get_json()["id"]
+    for body, param in [
+        ({"input_file_id": file_id, "endpoint": "/v1/embeddings"}, "endpoint"),
+        (
+            {
+                "input_file_id": file_id,
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "soon",
+            },
+            "completion_window",
+        ),
+        ({"input_file_id": "file_nope", "endpoint": "/v1/chat/completions"}, "file_id"),
+        ({"endpoint": "/v1/chat/completions"}, "input_file_id"),
+    ]:
+        resp = client.post("/v1/batches", json=body)
+        assert resp.status_code in (400, 404), body
+        assert resp.get_json()["error"]["param"] == param
+    assert client.get("/v1/batches").get_json()["data"] == []
+    assert client.get("/v1/batches/batch_nope").status_code == 404
+
+
+def test_files_can_be_read_listed_and_deleted(client: FlaskClient) -> None:
+    file_obj = _upload(client, [_line("a", "x")]).get_json()
+    assert client.get(f"/v1/files/{file_obj['id']}").get_json() == file_obj
+    assert [f["id"] for f in client.get("/v1/files").get_json()["data"]] == [file_obj["id"]]
+    assert client.get(f"/v1/files/{file_obj['id']}/content").get_data(as_text=True) == _line(
+        "a", "x"
+    )
+    assert client.delete(f"/v1/files/{file_obj['id']}").get_json()["deleted"] is True
+    assert client.get(f"/v1/files/{file_obj['id']}").status_code == 404
+    assert client.delete(f"/v1/files/{file_obj['id']}").status_code == 404
+
+
+def test_tokenize_and_detokenize_round_trip(client: FlaskClient) -> None:
+    got = client.post("/v1/tokenize", json={"text": "héllo"}).get_json()
+    assert got["count"] == len("héllo".encode()) and got["context_length"] == 256
+    back = client.post("/v1/detokenize", json={"tokens": got["tokens"][:2]}).get_json()
+    assert back["text"] == "h\ufffd"  # a token boundary inside a character
+    chat = client.post("/v1/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.get_json()["count"] == len("<user>hi\n<assistant>")
+    assert client.post("/v1/tokenize", json={}).status_code == 400
+    assert client.post("/v1/detokenize", json={"tokens": [10**6]}).status_code == 400

@@ -1,0 +1,428 @@
+"""The OpenAI Files and Batch API: JSONL in, one batch-priority job per line,
+JSONL out (an output file and an error file, each line with its ``custom_id``).
+
+Batch state is derived from its jobs whenever the batch is read: the counts,
+and, once every line has ended, the output files (written once, under a lock,
+by whichever web process reads the batch first).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from typing import Annotated, Any
+
+from flask import Blueprint, Response, current_app, jsonify, request
+from pydantic import BaseModel, ConfigDict, Field
+
+from jobs.batches import BatchStore, Item, new_id
+from jobs.events import DONE
+from jobs.generation import GenerationRequest
+from scheduler.state import JobState
+from web.errors import APIError, BadRequest, Conflict, NotFound, PayloadTooLarge
+from web.responses import assemble
+from web.runtime import Runtime
+from web.schemas import ChatRequest, CompletionRequest, parse
+
+__all__ = ["bp"]
+
+bp = Blueprint("batches", __name__)
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDED = ("completed", "failed", "cancelled", "expired")
+_WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
+
+
+def _rt() -> Runtime:
+    runtime: Runtime = current_app.extensions["parkq"]
+    return runtime
+
+
+def _batches() -> BatchStore:
+    return BatchStore(_rt().store)
+
+
+# -- files --------------------------------------------------------------------
+
+
+@bp.post("/v1/files")
+def upload_file() -> Any:
+    limit = _rt().settings.batch_max_file_bytes
+    if request.content_length is not None and request.content_length > limit + 65536:
+        raise PayloadTooLarge(f"The file is larger than the limit of {limit} bytes.")
+    request.max_content_length = limit + 65536  # the file plus the form's other parts
+    purpose = request.form.get("purpose")
+    upload = request.files.get("file")
+    if upload is None:
+        raise BadRequest("Missing the multipart field 'file'.", param="file")
+    if purpose != "batch":
+        raise BadRequest("Only purpose 'batch' is supported.", param="purpose")
+    content = upload.read(limit + 1)
+    if len(content) > limit:
+        raise PayloadTooLarge(f"The file is larger than the limit of {limit} bytes.")
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("The file is not valid UTF-8 text.", param="file") from None
+    lines = sum(1 for line in text.splitlines() if line.strip())
+    max_lines = _rt().settings.batch_max_lines
+    if lines == 0:
+        raise BadRequest("The file holds no requests (one JSON object per line).", param="file")
+    if lines > max_lines:
+        raise BadRequest(
+            f"The file holds {lines} requests; a batch takes at most {max_lines}.", param="file"
+        )
+    name = upload.filename or "batch.jsonl"
+    return jsonify(_batches().create_file(name, purpose, content, time.time()))
+
+
+@bp.get("/v1/files")
+def list_files() -> Any:
+    files = _batches().list_files(request.args.get("purpose"))
+    return jsonify({"object": "list", "data": files, "has_more": False})
+
+
+def _file(file_id: str) -> dict[str, Any]:
+    meta = _batches().get_file(file_id)
+    if meta is None:
+        raise NotFound(f"No file with id '{file_id}'.", param="file_id")
+    return meta
+
+
+@bp.get("/v1/files/<file_id>")
+def get_file(file_id: str) -> Any:
+    return jsonify(_file(file_id))
+
+
+@bp.get("/v1/files/<file_id>/content")
+def file_content(file_id: str) -> Any:
+    _file(file_id)
+    content = _batches().file_content(file_id)
+    if content is None:
+        raise NotFound(f"No content for file '{file_id}'.", param="file_id")
+    return Response(content, mimetype="application/jsonl")
+
+
+@bp.delete("/v1/files/<file_id>")
+def delete_file(file_id: str) -> Any:
+    if not _batches().delete_file(file_id):
+        raise NotFound(f"No file with id '{file_id}'.", param="file_id")
+    return jsonify({"id": file_id, "object": "file", "deleted": True})
+
+
+# -- batches --------------------------------------------------------------------
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+
+
+class _LineError(Exception):
+    def __init__(self, code: str, message: str, custom_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.custom_id = custom_id
+
+
+def _line_job(raw: str, endpoint: str, seen: set[str]) -> tuple[str, GenerationRequest]:
+    """The custom_id and job of one input line; raise :class:`_LineError` if invalid."""
+    from web.api import _chat_job, _completion_job
+
+    try:
+        line = json.loads(raw)
+    except ValueError:
+        raise _LineError("invalid_json_line", "This line is not valid JSON.") from None
+    if not isinstance(line, dict):
+        raise _LineError("invalid_request", "A line must be a JSON object.")
+    custom_id = line.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise _LineError("missing_custom_id", "The line has no 'custom_id' (a string).")
+    if custom_id in seen:
+        raise _LineError(
+            "duplicate_custom_id", f"The custom_id '{custom_id}' is used twice.", custom_id
+        )
+    seen.add(custom_id)
+    if line.get("method", "POST") != "POST":
+        raise _LineError("invalid_method", "The method must be 'POST'.", custom_id)
+    if line.get("url") != endpoint:
+        raise _LineError(
+            "mismatched_url", f"The url must be the batch's endpoint '{endpoint}'.", custom_id
+        )
+    body = line.get("body")
+    if not isinstance(body, dict):
+        raise _LineError("invalid_request", "The line has no 'body' object.", custom_id)
+    body = {**body, "stream": False, "priority": "batch"}
+    try:
+        if endpoint == "/v1/chat/completions":
+            return custom_id, _chat_job(parse(ChatRequest, body))
+        return custom_id, _completion_job(parse(CompletionRequest, body))
+    except APIError as exc:
+        raise _LineError(exc.code or "invalid_request", exc.message, custom_id) from None
+
+
+def _error_line(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+    return {
+        "id": f"batch_req_{secrets.token_hex(12)}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
+
+
+@bp.post("/v1/batches")
+def create_batch() -> Any:
+    from web.api import _body
+
+    req = parse(BatchCreate, _body())
+    if req.endpoint not in ENDPOINTS:
+        raise BadRequest(
+            f"Unsupported endpoint '{req.endpoint}'; use one of {', '.join(ENDPOINTS)}.",
+            param="endpoint",
+        )
+    window = _WINDOW.match(req.completion_window)
+    if window is None:
+        raise BadRequest("completion_window must be like '24h'.", param="completion_window")
+    meta = _file(req.input_file_id)
+    if meta["purpose"] != "batch":
+        raise BadRequest("The input file's purpose must be 'batch'.", param="input_file_id")
+    batches = _batches()
+    content = batches.file_content(req.input_file_id) or b""
+    lines, invalid, errors = [], [], []
+    seen: set[str] = set()
+    for n, raw in enumerate(content.decode("utf-8").splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            custom_id, gen = _line_job(raw, req.endpoint, seen)
+        except _LineError as exc:
+            message = f"Line {n}: {exc.message}"
+            invalid.append(_error_line(exc.custom_id, exc.code, message))
+            if len(errors) < 100:
+                errors.append({"code": exc.code, "message": message, "param": None, "line": n})
+            continue
+        lines.append((new_id("batchreq"), custom_id, gen.kind, gen.to_json()))
+    now = time.time()
+    batch_id = new_id("batch")
+    record = {
+        "id": batch_id,
+        "endpoint": req.endpoint,
+        "input_file_id": req.input_file_id,
+        "completion_window": req.completion_window,
+        "created_at": str(int(now)),
+        "expires_at": str(int(now) + int(window.group(1)) * 3600),
+        "metadata": json.dumps(req.metadata),
+        "invalid": str(len(invalid)),
+        "errors": json.dumps(errors),
+        "status": "in_progress" if lines else "failed",
+        "in_progress_at" if lines else "failed_at": str(int(now)),
+    }
+    runtime = _rt()
+    for job_id, _, kind, gen_json in lines:
+        runtime.rq.create(job_id, f"batch {batch_id}: {kind} {len(gen_json['prompt_ids'])} tokens")
+    batches.create_batch(record, lines, invalid, now)
+    if not lines:
+        _finalize(batches, batch_id, [], [])
+    else:
+        batches.feed(batch_id, now)
+    current_app.logger.info(
+        "batch %s: %d requests queued, %d invalid lines", batch_id, len(lines), len(invalid)
+    )
+    return jsonify(_batch_object(batches, batch_id))
+
+
+def _batch(batches: BatchStore, batch_id: str) -> dict[str, str]:
+    record = batches.get(batch_id)
+    if record is None:
+        raise NotFound(f"No batch with id '{batch_id}'.", param="batch_id")
+    return record
+
+
+def _batch_object(batches: BatchStore, batch_id: str) -> dict[str, Any]:
+    """The batch as OpenAI describes it, brought up to date with its jobs."""
+    record = _batch(batches, batch_id)
+    status = record["status"]
+    if status in ENDED:
+        total = int(record["total"])
+        completed, failed = int(record["completed"]), int(record["failed"])
+    else:
+        if status == "in_progress":
+            batches.feed(batch_id)
+        counts, items, states = batches.counts(batch_id, int(record["invalid"]))
+        total, completed, failed = counts.total, counts.completed, counts.failed
+        if counts.open == 0:
+            _finalize(batches, batch_id, items, states)
+            record = _batch(batches, batch_id)
+            status = record["status"]
+        elif status == "finalizing":
+            status = "in_progress"  # a finalization that died with its process: retried
+    errors = json.loads(record.get("errors") or "[]")
+
+    def ts(name: str) -> int | None:
+        value = record.get(name)
+        return int(value) if value else None
+
+    return {
+        "id": batch_id,
+        "object": "batch",
+        "endpoint": record["endpoint"],
+        "errors": {"object": "list", "data": errors} if errors else None,
+        "input_file_id": record["input_file_id"],
+        "completion_window": record["completion_window"],
+        "status": status,
+        "output_file_id": record.get("output_file_id") or None,
+        "error_file_id": record.get("error_file_id") or None,
+        "created_at": ts("created_at"),
+        "in_progress_at": ts("in_progress_at"),
+        "expires_at": ts("expires_at"),
+        "finalizing_at": ts("finalizing_at"),
+        "completed_at": ts("completed_at"),
+        "failed_at": ts("failed_at"),
+        "expired_at": None,
+        "cancelling_at": ts("cancelling_at"),
+        "cancelled_at": ts("cancelled_at"),
+        "request_counts": {"total": total, "completed": completed, "failed": failed},
+        "metadata": json.loads(record.get("metadata") or "null"),
+    }
+
+
+def _result_line(batches: BatchStore, item: Item) -> dict[str, Any]:
+    store = batches.store
+    record = store.get(item.job) or {}
+    gen = GenerationRequest.from_json(json.loads(record["request"]))
+    chunks = [json.loads(data) for _, data in store.events_after(item.job, 0) if data != DONE]
+    chunks = [c for c in chunks if "error" not in c]
+    usage = json.loads(record.get("usage", "null"))
+    return {
+        "id": f"batch_req_{item.job.removeprefix('batchreq_')}",
+        "custom_id": item.custom_id,
+        "response": {
+            "status_code": 200,
+            "request_id": item.job,
+            "body": assemble(item.job, gen, chunks, usage),
+        },
+        "error": None,
+    }
+
+
+def _finalize(
+    batches: BatchStore, batch_id: str, items: list[Item], states: list[str | None]
+) -> None:
+    """Write the output and error files of a batch whose lines have all ended."""
+    if not batches.lock(batch_id):
+        return  # another web thread or process is writing them
+    try:
+        record = _batch(batches, batch_id)
+        if "total" in record:
+            return  # already finalized
+        cancelled = record["status"] == "cancelling"
+        now = str(int(time.time()))
+        batches.update(batch_id, {"status": "finalizing", "finalizing_at": now})
+        out: list[dict[str, Any]] = []
+        err: list[dict[str, Any]] = list(batches.invalid_lines(batch_id))
+        completed = failed = 0
+        for item, state in zip(items, states, strict=True):
+            if state == JobState.FINISHED:
+                out.append(_result_line(batches, item))
+                completed += 1
+            elif state == JobState.FAILED:
+                message = (batches.store.get(item.job) or {}).get("error") or "The request failed."
+                err.append(_error_line(item.custom_id, "request_failed", message))
+                failed += 1
+            elif state == JobState.CANCELLED or cancelled:
+                err.append(
+                    _error_line(
+                        item.custom_id,
+                        "batch_cancelled",
+                        "The request was cancelled before it completed.",
+                    )
+                )
+            else:
+                err.append(
+                    _error_line(item.custom_id, "result_expired", "The request's result expired.")
+                )
+                failed += 1
+        fields = {
+            "total": str(len(items) + int(record["invalid"])),
+            "completed": str(completed),
+            "failed": str(failed + int(record["invalid"])),
+        }
+        for name, lines in (("output", out), ("error", err)):
+            if lines:
+                content = "".join(json.dumps(x) + "\n" for x in lines).encode()
+                meta = batches.create_file(
+                    f"{batch_id}_{name}.jsonl", "batch_output", content, time.time()
+                )
+                fields[f"{name}_file_id"] = meta["id"]
+        if record["status"] == "failed":
+            fields["status"] = "failed"
+        elif cancelled:
+            fields.update(status="cancelled", cancelled_at=now)
+        else:
+            fields.update(status="completed", completed_at=now)
+        batches.update(batch_id, fields)
+        current_app.logger.info(
+            "batch %s: %s (%d completed, %d failed)",
+            batch_id,
+            fields["status"],
+            completed,
+            int(fields["failed"]),
+        )
+    finally:
+        batches.unlock(batch_id)
+
+
+@bp.get("/v1/batches/<batch_id>")
+def get_batch(batch_id: str) -> Any:
+    return jsonify(_batch_object(_batches(), batch_id))
+
+
+@bp.get("/v1/batches")
+def list_batches() -> Any:
+    try:
+        limit = int(request.args.get("limit", "20"))
+    except ValueError:
+        raise BadRequest("limit must be an integer.", param="limit") from None
+    if not 1 <= limit <= 100:
+        raise BadRequest("limit must be between 1 and 100.", param="limit")
+    batches = _batches()
+    ids, more = batches.list_ids(request.args.get("after"), limit)
+    data = [_batch_object(batches, i) for i in ids]
+    return jsonify({
+        "object": "list",
+        "data": data,
+        "first_id": ids[0] if ids else None,
+        "last_id": ids[-1] if ids else None,
+        "has_more": more,
+    })  # fmt: skip
+
+
+@bp.post("/v1/batches/<batch_id>/cancel")
+def cancel_batch(batch_id: str) -> Any:
+    runtime = _rt()
+    batches = _batches()
+    record = _batch(batches, batch_id)
+    if record["status"] in ENDED:
+        raise Conflict(
+            f"Batch '{batch_id}' has already ended ({record['status']}).", code="batch_ended"
+        )
+    if record["status"] != "cancelling":
+        now = time.time()
+        batches.update(batch_id, {"status": "cancelling", "cancelling_at": str(int(now))})
+        dropped = batches.drop_pending(batch_id)
+        for job_id in dropped:
+            runtime.rq.canceled(job_id)
+        for job_id in batches.live_jobs(batch_id):
+            if runtime.store.cancel(job_id, now) == "cancelled":
+                runtime.store.count("jobs_cancelled")
+                runtime.rq.canceled(job_id)
+        current_app.logger.info(
+            "batch %s: cancelling (%d requests never queued)", batch_id, len(dropped)
+        )
+    return jsonify(_batch_object(batches, batch_id))
