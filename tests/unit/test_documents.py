@@ -1,0 +1,49 @@
+"""Token windows of long documents, durations of the soak."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from web.documents import windows
+from web.soak import parse_duration
+
+
+@given(
+    n=st.integers(min_value=0, max_value=5000),
+    size=st.integers(min_value=2, max_value=600),
+    data=st.data(),
+)
+def test_windows_cover_the_document_with_the_overlap(
+    n: int, size: int, data: st.DataObject
+) -> None:
+    overlap = data.draw(st.integers(min_value=0, max_value=size - 1))
+    parts = windows(n, size, overlap)
+    assert parts[0][0] == 0 and parts[-1][1] == n
+    for start, end in parts:
+        assert 0 < end - start <= size or n == 0
+    for (_, end), (start, _) in itertools.pairwise(parts):
+        assert end - start == overlap  # consecutive parts share exactly the overlap
+    if n <= size:
+        assert parts == [(0, n)]
+
+
+def test_windows_need_room_beyond_the_overlap() -> None:
+    with pytest.raises(ValueError):
+        windows(100, 10, 10)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("90", 90), ("90s", 90), ("10m", 600), ("1.5h", 5400), (" 2m ", 120)]
+)
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "ten minutes", "5d", "-3s"])
+def test_bad_durations(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(text)
