@@ -31,14 +31,14 @@ CLI = [sys.executable, "-m", "web.cli"]
 class Cluster:
     """`parkq web` and named `parkq worker` processes, each in its own directory."""
 
-    def __init__(self, redis_url: str, model: Path, root: Path) -> None:
+    def __init__(self, redis_url: str, model: Path, root: Path, prefix: str = "cluster") -> None:
         self.env = {
             **os.environ,
             **TEST_ENV,
             "PARKQ_REDIS_URL": redis_url,
             "PARKQ_MODEL": str(model),
-            "PARKQ_KEY_PREFIX": "cluster",
-            "PARKQ_QUEUE_NAME": "cluster",
+            "PARKQ_KEY_PREFIX": prefix,
+            "PARKQ_QUEUE_NAME": prefix,
             "PARKQ_LOG_LEVEL": "WARNING",
             "PARKQ_N_THREADS": "1",  # two CPU workers share two cores
         }
@@ -47,13 +47,13 @@ class Cluster:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, name: str, argv: list[str]) -> None:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         cwd = self.root / name
         cwd.mkdir(exist_ok=True)
-        self.procs[name] = subprocess.Popen([*CLI, *argv], env=self.env, cwd=cwd)
+        self.procs[name] = subprocess.Popen([*CLI, *argv], env={**self.env, **(env or {})}, cwd=cwd)
 
-    def start_worker(self, name: str) -> None:
-        self.start(name, ["worker", "--name", name])
+    def start_worker(self, name: str, env: dict[str, str] | None = None) -> None:
+        self.start(name, ["worker", "--name", name], env)
 
     def workers_alive(self) -> int:
         try:
