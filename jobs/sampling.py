@@ -38,7 +38,9 @@ def sample(logits: np.ndarray, params: SamplingParams, step: int) -> int:
     """Pick the next token from raw ``logits`` at generation step ``step``."""
     if params.greedy:
         return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / params.temperature
+    x = logits.astype(np.float64)
+    with np.errstate(over="ignore"):  # a tiny temperature sends the others to -inf
+        scaled = (x - x.max()) / params.temperature
     candidates = np.arange(scaled.shape[0])
     if 0 < params.top_k < scaled.shape[0]:
         candidates = np.argpartition(-scaled, params.top_k - 1)[: params.top_k]

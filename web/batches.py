@@ -12,7 +12,7 @@ import json
 import re
 import secrets
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from flask import Blueprint, Response, current_app, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,7 +30,6 @@ __all__ = ["bp"]
 
 bp = Blueprint("batches", __name__)
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 ENDED = ("completed", "failed", "cancelled", "expired")
 _WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
 
@@ -116,10 +115,10 @@ def delete_file(file_id: str) -> Any:
 
 
 class BatchCreate(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     input_file_id: str
-    endpoint: str
-    completion_window: str = "24h"
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    completion_window: Annotated[str, Field(pattern=_WINDOW.pattern)] = "24h"
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
 
 
@@ -181,14 +180,8 @@ def create_batch() -> Any:
     from web.api import _body
 
     req = parse(BatchCreate, _body())
-    if req.endpoint not in ENDPOINTS:
-        raise BadRequest(
-            f"Unsupported endpoint '{req.endpoint}'; use one of {', '.join(ENDPOINTS)}.",
-            param="endpoint",
-        )
     window = _WINDOW.match(req.completion_window)
-    if window is None:
-        raise BadRequest("completion_window must be like '24h'.", param="completion_window")
+    assert window is not None  # the model's pattern
     meta = _file(req.input_file_id)
     if meta["purpose"] != "batch":
         raise BadRequest("The input file's purpose must be 'batch'.", param="input_file_id")

@@ -109,7 +109,8 @@ def init_app(app: Flask) -> None:
         if status == 413:
             limit = request.max_content_length
             message = f"Request body is larger than the limit of {limit} bytes."
-        return jsonify(error_body(message, type_, None, code)), status
+        headers = {k: v for k, v in exc.get_headers() if k.lower() == "allow"}
+        return jsonify(error_body(message, type_, None, code)), status, headers
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception) -> Any:

@@ -17,12 +17,12 @@ MAX_STOP_LEN = 256
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str = ""
     stream: bool = False
@@ -34,9 +34,7 @@ class _Common(BaseModel):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
     stop: str | list[str] | None = None
-    n: int = 1
-    priority: str | int = "interactive"
-    ignore_eos: bool = False
+    n: int = Field(1, json_schema_extra={"minimum": 1, "maximum": 1})
 
     @field_validator("n")
     @classmethod
@@ -44,6 +42,9 @@ class _Common(BaseModel):
         if v != 1:
             raise ValueError("only n=1 is supported")
         return v
+
+    priority: str | int = "interactive"
+    ignore_eos: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -61,13 +62,13 @@ class _Common(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
@@ -92,7 +93,11 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | list[int]
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=1)]
+        | Annotated[list[int], Field(min_length=1)]
+    )
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
 
@@ -111,13 +116,22 @@ class CompletionRequest(_Common):
 class TokenizeRequest(BaseModel):
     """Either ``text`` (tokenized as is) or chat ``messages`` (through the chat template)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(
+        extra="ignore",
+        strict=True,
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["text"], "properties": {"text": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        },
+    )
     text: str | None = None
     messages: Annotated[list[Message], Field(min_length=1)] | None = None
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     tokens: list[Annotated[int, Field(ge=0)]]
 
 

@@ -45,3 +45,9 @@ def test_logprobs_are_normalised() -> None:
     assert abs(total - 1.0) < 1e-6
     assert [t for t, _ in lp.top] == np.argsort(-x)[:5].tolist()
     assert lp.top[0][1] >= lp.top[-1][1]
+
+
+def test_a_tiny_temperature_samples_the_best_token_without_nan() -> None:
+    logits = np.array([0.5, 3.0, -2.0, 2.999], dtype=np.float32)
+    for t in (1.1125369292536007e-308, 1e-30, 1e-6):
+        assert sample(logits, SamplingParams(temperature=t, seed=3), step=0) == 1

@@ -1,0 +1,333 @@
+"""`GET /openapi.json`: the API's OpenAPI 3.1 description.
+
+Request bodies come from the pydantic models that validate them, so the
+description cannot drift from what the server accepts; every error response is
+the OpenAI envelope.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, current_app, jsonify
+from pydantic import BaseModel
+
+from web.batches import BatchCreate
+from web.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+__all__ = ["bp", "spec"]
+
+bp = Blueprint("openapi", __name__)
+
+REF = "#/components/schemas/{model}"
+
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def _obj(*required: str, **props: Any) -> dict[str, Any]:
+    return {"type": "object", "required": list(required), "properties": props}
+
+
+STR = {"type": "string"}
+INT = {"type": "integer"}
+OPT_STR = {"type": ["string", "null"]}
+OPT_INT = {"type": ["integer", "null"]}
+
+CHOICES = {"type": "array", "items": {"type": "object"}}
+COMPLETION = _obj("id", "object", "created", "model", "choices", id=STR, object=STR,
+                  created=INT, model=STR, choices=CHOICES)  # fmt: skip
+JOB = _obj("id", "object", "state", id=STR, object={"const": "job"}, state=STR)
+FILE = _obj(
+    "id", "object", "bytes", "created_at", "filename", "purpose", "status",
+    id=STR, object={"const": "file"}, bytes=INT, created_at=INT, filename=STR,
+    purpose=STR, status=STR,
+)  # fmt: skip
+BATCH = _obj(
+    "id", "object", "endpoint", "input_file_id", "status", "request_counts", "created_at",
+    id=STR, object={"const": "batch"}, endpoint=STR, input_file_id=STR, status=STR,
+    output_file_id=OPT_STR, error_file_id=OPT_STR, created_at=INT,
+    request_counts=_obj("total", "completed", "failed", total=INT, completed=INT, failed=INT),
+)  # fmt: skip
+LIST = _obj("object", "data", object={"const": "list"}, data={"type": "array"})
+#: One server-sent event: `id:` (the job's event number) and `data:` (a JSON chunk or [DONE]).
+SSE_EVENT = _obj("data", data=STR, id=STR, event=STR)
+
+ERRORS = {
+    "400": "Invalid request (the message names the field)",
+    "401": "Missing or invalid API key (when keys are set)",
+    "404": "No such object",
+    "413": "Body over the size limit",
+}
+
+
+def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _responses(ok: dict[str, Any], *codes: str, **extra: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"200": ok}
+    for code in ("400", "401", *codes):
+        out[code] = _json({"$ref": "#/components/schemas/Error"}, ERRORS.get(code, "Error"))
+    out.update(extra)
+    return out
+
+
+def _body(model: type[BaseModel], content: str = "application/json") -> dict[str, Any]:
+    return {
+        "required": True,
+        "content": {content: {"schema": {"$ref": REF.format(model=model.__name__)}}},
+    }
+
+
+def _id(name: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": STR}
+
+
+def _generation(model: type[BaseModel], summary: str) -> dict[str, Any]:
+    ok = {
+        "description": "The whole response, or with stream=true an SSE stream of chunks",
+        "content": {
+            "application/json": {"schema": COMPLETION},
+            "text/event-stream": {"schema": SSE_EVENT},
+        },
+        "headers": {"X-Job-Id": {"schema": STR, "description": "The job id (SSE responses)"}},
+    }
+    too_many = _json({"$ref": "#/components/schemas/Error"}, "Queue full (with Retry-After)")
+    too_many["headers"] = {"Retry-After": {"schema": STR, "required": True}}
+    return {
+        "summary": summary,
+        "requestBody": _body(model),
+        "responses": _responses(ok, "409", "413", "500", **{"429": too_many}),
+    }
+
+
+def _link(operation: str, param: str) -> dict[str, Any]:
+    return {"operationId": operation, "parameters": {param: "$response.body#/id"}}
+
+
+def spec(secured: bool = False) -> dict[str, Any]:
+    """The description; ``secured``: API keys are required (Bearer)."""
+    schemas: dict[str, Any] = {"Error": ERROR}
+    for model in (ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, BatchCreate):
+        schema = model.model_json_schema(ref_template=REF)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    upload = _obj(
+        "file", "purpose", file={"type": "string", "format": "binary"}, purpose={"enum": ["batch"]}
+    )
+    paths: dict[str, Any] = {
+        "/v1/chat/completions": {"post": _generation(ChatRequest, "Chat completion")},
+        "/v1/completions": {"post": _generation(CompletionRequest, "Text completion")},
+        "/v1/models": {
+            "get": {"summary": "The served model", "responses": _responses(_json(LIST))}
+        },
+        "/v1/tokenize": {
+            "post": {
+                "summary": "Token ids of a text or of chat messages (parkq extension)",
+                "requestBody": _body(TokenizeRequest),
+                "responses": _responses(
+                    _json(
+                        _obj(
+                            "tokens",
+                            "count",
+                            "context_length",
+                            tokens={"type": "array"},
+                            count=INT,
+                            context_length=INT,
+                        )
+                    ),
+                    "413",
+                ),
+            }
+        },
+        "/v1/detokenize": {
+            "post": {
+                "summary": "The text of token ids (parkq extension)",
+                "requestBody": _body(DetokenizeRequest),
+                "responses": _responses(_json(_obj("text", text=STR)), "413"),
+            }
+        },
+        "/v1/jobs/{job_id}": {
+            "get": {
+                "summary": "A job's state",
+                "parameters": [_id("job_id")],
+                "responses": _responses(_json(JOB), "404"),
+            },
+            "delete": {
+                "summary": "Cancel a job",
+                "parameters": [_id("job_id")],
+                "responses": _responses(
+                    _json(JOB, "Cancelled"), "404", "409", **{"202": _json(JOB, "Cancelling")}
+                ),
+            },
+        },
+        "/v1/jobs/{job_id}/events": {
+            "get": {
+                "summary": "A job's SSE stream, replayed after Last-Event-ID",
+                "parameters": [
+                    _id("job_id"),
+                    {"name": "Last-Event-ID", "in": "header", "required": False, "schema": STR},
+                ],
+                "responses": _responses(
+                    {"description": "SSE", "content": {"text/event-stream": {"schema": SSE_EVENT}}},
+                    "404",
+                ),
+            }
+        },
+        "/v1/files": {
+            "post": {
+                "summary": "Upload a batch input file (JSONL)",
+                "requestBody": {
+                    "required": True,
+                    "content": {"multipart/form-data": {"schema": upload}},
+                },
+                "responses": _responses(_json(FILE), "413"),
+            },
+            "get": {
+                "summary": "Files",
+                "parameters": [{"name": "purpose", "in": "query", "schema": STR}],
+                "responses": _responses(_json(LIST)),
+            },
+        },
+        "/v1/files/{file_id}": {
+            "get": {
+                "summary": "A file",
+                "parameters": [_id("file_id")],
+                "responses": _responses(_json(FILE), "404"),
+            },
+            "delete": {
+                "summary": "Delete a file",
+                "parameters": [_id("file_id")],
+                "responses": _responses(
+                    _json(
+                        _obj(
+                            "id",
+                            "object",
+                            "deleted",
+                            id=STR,
+                            object=STR,
+                            deleted={"type": "boolean"},
+                        )
+                    ),
+                    "404",
+                ),
+            },
+        },
+        "/v1/files/{file_id}/content": {
+            "get": {
+                "summary": "A file's bytes",
+                "parameters": [_id("file_id")],
+                "responses": _responses(
+                    {"description": "JSONL", "content": {"application/jsonl": {"schema": STR}}},
+                    "404",
+                ),
+            }
+        },
+        "/v1/batches": {
+            "post": {
+                "summary": "Create a batch",
+                "requestBody": _body(BatchCreate),
+                "responses": _responses(_json(BATCH), "404", "413"),
+            },
+            "get": {
+                "summary": "Batches, newest first",
+                "parameters": [
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "schema": {**INT, "minimum": 1, "maximum": 100},
+                    },
+                    {"name": "after", "in": "query", "schema": STR},
+                ],
+                "responses": _responses(_json(LIST)),
+            },
+        },
+        "/v1/batches/{batch_id}": {
+            "get": {
+                "summary": "A batch",
+                "parameters": [_id("batch_id")],
+                "responses": _responses(_json(BATCH), "404"),
+            }
+        },
+        "/v1/batches/{batch_id}/cancel": {
+            "post": {
+                "summary": "Cancel a batch",
+                "parameters": [_id("batch_id")],
+                "responses": _responses(_json(BATCH), "404", "409"),
+            }
+        },
+        "/healthz": {
+            "get": {
+                "summary": "Redis reachable and workers alive",
+                "security": [],
+                "responses": {
+                    "200": _json(_obj("status", "redis", "workers", status=STR)),
+                    "503": _json(_obj("status", "redis", "workers", status=STR), "Unavailable"),
+                },
+            }
+        },
+    }
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "parkq",
+            "version": "0.1.0",
+            "description": "OpenAI-compatible LLM jobs that park for interactive work.",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+    }
+    if not secured:
+        del doc["security"]
+        del doc["components"]["securitySchemes"]
+        doc["paths"]["/healthz"]["get"].pop("security")
+    # Operation ids, and links from what creates an object to what reads it.
+    for path, ops in paths.items():
+        for method, op in ops.items():
+            op["operationId"] = (
+                f"{method}{path.replace('/', '_').replace('{', '').replace('}', '')}"
+            )
+    links = {
+        "post_v1_files": {
+            "GetFile": _link("get_v1_files_file_id", "file_id"),
+            "GetFileContent": _link("get_v1_files_file_id_content", "file_id"),
+            "DeleteFile": _link("delete_v1_files_file_id", "file_id"),
+        },
+        "post_v1_batches": {
+            "GetBatch": _link("get_v1_batches_batch_id", "batch_id"),
+            "CancelBatch": _link("post_v1_batches_batch_id_cancel", "batch_id"),
+        },
+        "post_v1_completions": {
+            "GetJob": _link("get_v1_jobs_job_id", "job_id"),
+            "CancelJob": _link("delete_v1_jobs_job_id", "job_id"),
+        },
+    }
+    for ops in paths.values():
+        for op in ops.values():
+            if op["operationId"] in links:
+                op["responses"]["200"]["links"] = links[op["operationId"]]
+    return doc
+
+
+@bp.get("/openapi.json")
+def openapi() -> Any:
+    return jsonify(spec(secured=bool(current_app.extensions["parkq"].settings.api_key_list)))
