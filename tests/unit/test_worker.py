@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 
 import fakeredis
@@ -175,3 +176,38 @@ def test_a_worker_that_just_went_idle_is_not_counted_busy(store: Store) -> None:
         store.r.pipeline = real_pipeline  # type: ignore[method-assign]
     assert [r.job_id for r in runners] == ["high"]
     assert idle == 1
+
+
+def test_a_job_whose_rq_function_is_not_parkqs_is_refused(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    """Someone with Redis access queues an RQ job naming another function: the
+    worker never runs it; RQ job data is JSON, never pickle."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    store = Store(fake_redis, settings)
+    rq = RQBridge(fake_redis, settings.queue_name, settings.result_ttl)
+    req = GenerationRequest("completion", "fake", list(b"hi"), 5, SamplingParams(temperature=0))
+    rogue = Job.create(
+        "os.system", args=("echo owned",), id="rogue", connection=fake_redis,
+        serializer=JSONSerializer,
+    )  # fmt: skip
+    rogue.save()
+    store.enqueue("rogue", "completion", req.to_json(), 10, time.time())
+    _submit(store, rq, "good", b"fine")
+    data = fake_redis.hget("rq:job:good", "data")
+    assert data is not None  # zlib-compressed JSON (RQ's format), never a pickle
+    assert json.loads(zlib.decompress(data))[0] == "jobs.rqjobs.generate"
+    worker = Worker(settings, FakeEngine(), fake_redis, name="w1")
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        rogue_rec = _wait_state(store, "rogue", {"failed", "finished"})
+        good = _wait_state(store, "good", {"failed", "finished"})
+    finally:
+        worker.stop()
+        thread.join(timeout=10)
+    assert rogue_rec["state"] == "failed" and rogue_rec["tokens"] == "0"
+    assert json.loads(store.events_after("rogue", 0)[0][1])["error"]["code"] == "invalid_job"
+    assert good["state"] == "finished"
