@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,17 @@ BODY = {"prompt": "survive a restart", "max_tokens": 3000, "temperature": 0,
         "ignore_eos": True, "priority": "batch"}  # fmt: skip
 
 
+def _healthy(base: str) -> bool:
+    try:
+        return requests.get(base + "/healthz", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 @pytest.mark.timeout(240)
-def test_streams_and_queued_jobs_survive_a_redis_restart(tiny_model: Path, tmp_path: Path) -> None:
+def test_streams_queued_and_parked_jobs_survive_a_redis_restart(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     redis = RedisServer(tmp_path / "redis")
     redis.start(*AOF)
     proc, base = start_parkq(tiny_model, redis.url, env=TEST_ENV)
@@ -43,13 +53,28 @@ def test_streams_and_queued_jobs_survive_a_redis_restart(tiny_model: Path, tmp_p
         )
         reader.start()
         wait_until(lambda: job(base, job_id)["tokens"] > 200)
+        # An interactive job parks the batch job; Redis restarts while it runs.
+        urgent = submit_stream(base, {**BODY, "priority": "interactive"})
+        urgent_id = urgent.headers["X-Job-Id"]
+        urgent_seen: list = []
+        urgent_reader = threading.Thread(
+            target=lambda: urgent_seen.extend(read_with_reconnects(base, urgent_id, urgent, 500))
+        )
+        urgent_reader.start()
+        wait_until(lambda: job(base, job_id)["state"] == "parked", timeout=60)
+        wait_until(lambda: job(base, urgent_id)["tokens"] > 100, timeout=60)
         redis.stop()
         redis.start(*AOF)
-        wait_until(lambda: requests.get(base + "/healthz", timeout=5).status_code == 200, 30)
-        reader.join(timeout=120)
-        assert seen and seen[-1][1] == "[DONE]"
-        assert [i for i, _ in seen] == list(range(1, len(seen) + 1))
-        assert completion_text(seen) == expected
+        t0 = time.monotonic()
+        wait_until(lambda: _healthy(base), 30)
+        print(f"\nredis restart: /healthz back after {time.monotonic() - t0:.2f} s")
+        for thread in (reader, urgent_reader):
+            thread.join(timeout=120)
+        for events in (seen, urgent_seen):
+            assert events and events[-1][1] == "[DONE]"
+            assert [i for i, _ in events] == list(range(1, len(events) + 1))
+        assert completion_text(seen) == expected  # the parked job resumed exactly
+        assert job(base, job_id)["preemptions"] >= 1
         wait_until(lambda: job(base, queued_id)["state"] == "finished", timeout=60)
     finally:
         assert stop_parkq(proc) == 0
