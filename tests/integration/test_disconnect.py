@@ -23,7 +23,9 @@ def test_an_abandoned_interactive_stream_frees_the_engine_after_the_grace(server
     status = job(server.base_url, job_id)
     assert status["finish_reason"] == "client_gone"
     assert status["tokens"] < 3000
-    assert time.monotonic() - left >= 1.0  # not before the grace period (1 s here)
+    freed = time.monotonic() - left
+    assert freed >= 1.0  # not before the grace period (1 s here)
+    print(f"\ndisconnect: engine freed {freed:.2f} s after the client left (grace 1 s)")
 
 
 def test_a_reconnect_within_the_grace_continues_losslessly(server: Server) -> None:
