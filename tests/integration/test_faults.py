@@ -25,7 +25,7 @@ from tests.integration.helpers import (
     submit_stream,
     wait_until,
 )
-from tests.integration.test_workers import Cluster
+from tests.integration.test_workers import Cluster, running_cluster
 
 PROMPTS = [f"Fault tolerance, part {i}:" for i in range(5)]
 
@@ -37,15 +37,9 @@ def _body(prompt: str, tokens: int = 1500) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def faults(redis_server, tiny_model: Path, tmp_path_factory) -> Iterator[Cluster]:
-    c = Cluster(redis_server.url, tiny_model, tmp_path_factory.mktemp("faults"), prefix="faults")
-    c.start("web", ["web", "--port", str(c.port)])
-    c.start_worker("w0")
-    c.start_worker("w1")
-    try:
-        wait_until(lambda: c.workers_alive() == 2, timeout=60)
+    root = tmp_path_factory.mktemp("faults")
+    with running_cluster(redis_server.url, tiny_model, root, "faults", ("w0", "w1")) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _reference(c: Cluster) -> dict[str, str]:

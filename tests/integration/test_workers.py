@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -72,17 +73,27 @@ class Cluster:
                 proc.wait()
 
 
-@pytest.fixture(scope="module")
-def cluster(redis_server, tiny_model: Path, tmp_path_factory) -> Iterator[Cluster]:
-    c = Cluster(redis_server.url, tiny_model, tmp_path_factory.mktemp("cluster"))
+@contextlib.contextmanager
+def running_cluster(
+    redis_url: str, model: Path, root: Path, prefix: str, workers: tuple[str, ...]
+) -> Iterator[Cluster]:
+    """`parkq web` and the named workers, stopped on exit."""
+    c = Cluster(redis_url, model, root, prefix=prefix)
     c.start("web", ["web", "--port", str(c.port)])
-    c.start_worker("wa")
-    c.start_worker("wb")
+    for name in workers:
+        c.start_worker(name)
     try:
-        wait_until(lambda: c.workers_alive() == 2, timeout=60)
+        wait_until(lambda: c.workers_alive() == len(workers), timeout=60)
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server, tiny_model: Path, tmp_path_factory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("cluster")
+    with running_cluster(redis_server.url, tiny_model, root, "cluster", ("wa", "wb")) as c:
+        yield c
 
 
 LONG = {"prompt": "A job that outlives its worker", "max_tokens": 2500, "temperature": 0.8,
