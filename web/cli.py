@@ -328,7 +328,8 @@ def _bar(total: int, skipped: int) -> Any:
     """A tqdm bar: documents done, tokens per second, ETA."""
     from tqdm import tqdm
 
-    bar = tqdm(total=total, unit="doc", desc="documents", dynamic_ncols=True)
+    # disable=None: no bar when stderr is not a terminal (logs, CI).
+    bar = tqdm(total=total, unit="doc", desc="documents", dynamic_ncols=True, disable=None)
     start = time.monotonic()
 
     def update(ended: int, tokens: int) -> None:
