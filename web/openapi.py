@@ -79,10 +79,19 @@ def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+#: What the HTTP server (gunicorn) answers itself, before the app: a request line
+#: over its limit (an absurdly long URL).
+URI_TOO_LONG = {
+    "description": "Request line too long (answered by the HTTP server, as HTML)",
+    "content": {"text/html": {"schema": STR}},
+}
+
+
 def _responses(ok: dict[str, Any], *codes: str, **extra: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"200": ok}
     for code in ("400", "401", *codes):
         out[code] = _json({"$ref": "#/components/schemas/Error"}, ERRORS.get(code, "Error"))
+    out["414"] = URI_TOO_LONG
     out.update(extra)
     return out
 
@@ -278,6 +287,7 @@ def spec(secured: bool = False) -> dict[str, Any]:
                 "responses": {
                     "200": _json(_obj("status", "redis", "workers", status=STR)),
                     "503": _json(_obj("status", "redis", "workers", status=STR), "Unavailable"),
+                    "414": URI_TOO_LONG,
                 },
             }
         },
