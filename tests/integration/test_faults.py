@@ -56,31 +56,34 @@ def _reference(c: Cluster) -> dict[str, str]:
 def test_twenty_sigkills_over_fifty_jobs_lose_and_duplicate_nothing(faults: Cluster) -> None:
     reference = _reference(faults)
     rng = random.Random(7)
-    jobs = [PROMPTS[i % len(PROMPTS)] for i in range(50)]
     results: dict[int, tuple[str, list[tuple[int, str]]]] = {}
     ids: dict[int, str] = {}
     lock = threading.Lock()
-    todo = iter(range(len(jobs)))
+    kills: list[dict[str, float | str]] = []
+    submitted = itertools.count()
+
+    def next_job() -> int | None:
+        # At least 50 jobs, and more while kills are still to come (at most 200):
+        # a fast machine must not run out of work before the 20th kill.
+        with lock:
+            n = next(submitted)
+        return None if n >= 200 or (n >= 50 and len(kills) >= 20) else n
 
     def client() -> None:
         # Eight clients, each submitting and reading jobs one after another,
         # reconnecting with Last-Event-ID every few hundred events.
-        while True:
-            with lock:
-                n = next(todo, None)
-            if n is None:
-                return
-            resp = submit_stream(faults.base_url, _body(jobs[n]))
+        while (n := next_job()) is not None:
+            prompt = PROMPTS[n % len(PROMPTS)]
+            resp = submit_stream(faults.base_url, _body(prompt))
             ids[n] = resp.headers["X-Job-Id"]
             seen = read_with_reconnects(
                 faults.base_url, ids[n], resp, per_connection=rng.randint(100, 700)
             )
-            results[n] = (jobs[n], seen)
+            results[n] = (prompt, seen)
 
     clients = [threading.Thread(target=client) for _ in range(8)]
     for t in clients:
         t.start()
-    kills: list[dict[str, float | str]] = []
     killed_jobs: dict[str, int] = {}
     names = (f"w{i}" for i in itertools.count(2))
     deadline = time.monotonic() + 600
@@ -123,7 +126,7 @@ def test_twenty_sigkills_over_fifty_jobs_lose_and_duplicate_nothing(faults: Clus
     for t in clients:
         t.join(timeout=300)
     assert len(kills) == 20
-    assert len(results) == 50
+    assert len(results) >= 50 and len(results) == len(ids)
     gaps = dups = 0
     for n, (prompt, seen) in results.items():
         seqs = [i for i, _ in seen]
@@ -135,7 +138,7 @@ def test_twenty_sigkills_over_fifty_jobs_lose_and_duplicate_nothing(faults: Clus
     assert (gaps, dups) == (0, 0)
     recovery = sorted(float(k["recovery_s"]) for k in kills)
     print(
-        f"\nfaults: 20 SIGKILLs over 50 jobs, {sum(killed_jobs.values())} jobs hit; "
+        f"\nfaults: 20 SIGKILLs over {len(results)} jobs, {len(killed_jobs)} jobs hit; "
         f"recovery p50 {recovery[10]:.2f} s, max {recovery[-1]:.2f} s; 0 lost, 0 gaps, 0 dups"
     )
 
