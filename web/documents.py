@@ -145,17 +145,12 @@ class Client:
 
     def counter(self, name: str) -> float | None:
         """A counter from /metrics (None when it cannot be read)."""
-        from prometheus_client.parser import text_string_to_metric_families
+        from web.metrics import read_counter
 
         try:
-            text = requests.get(self.base + "/metrics", headers=self.headers, timeout=30).text
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name == name:
-                        return float(sample.value)
+            return read_counter(self.base, self.headers, name)
         except (requests.RequestException, ValueError):
             return None
-        return None
 
 
 def _message(resp: requests.Response) -> str:

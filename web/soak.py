@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import requests
-from prometheus_client.parser import text_string_to_metric_families
+
+from web.metrics import read_counter
 
 __all__ = ["SoakPlan", "SoakReport", "parse_duration", "run_soak"]
 
@@ -325,15 +326,6 @@ def _sse(resp: requests.Response) -> Any:
             yield seq, line[6:]
 
 
-def _counter(base: str, headers: dict[str, str], name: str) -> float:
-    text = requests.get(f"{base}/metrics", headers=headers, timeout=30).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                return float(sample.value)
-    return 0.0
-
-
 def _worker_rss(base: str, headers: dict[str, str]) -> int | None:
     state = requests.get(f"{base}/dashboard/state", headers=headers, timeout=30).json()
     sizes = [w.get("rss_bytes") for w in state.get("workers", [])]
@@ -358,8 +350,8 @@ def run_soak(
     run = _Run(base_url, plan, headers)
     report = run.report
     report.worker_rss_start = _worker_rss(base_url, headers)
-    preempt0 = _counter(base_url, headers, "parkq_preemptions_total")
-    tokens0 = _counter(base_url, headers, "parkq_tokens_generated_total")
+    preempt0 = read_counter(base_url, headers, "parkq_preemptions_total")
+    tokens0 = read_counter(base_url, headers, "parkq_tokens_generated_total")
     stop = threading.Event()
 
     def tick() -> None:
@@ -378,8 +370,8 @@ def run_soak(
     finally:
         stop.set()
     run.check_ended()
-    report.preemptions = int(_counter(base_url, headers, "parkq_preemptions_total") - preempt0)
-    report.tokens = int(_counter(base_url, headers, "parkq_tokens_generated_total") - tokens0)
+    report.preemptions = int(read_counter(base_url, headers, "parkq_preemptions_total") - preempt0)
+    report.tokens = int(read_counter(base_url, headers, "parkq_tokens_generated_total") - tokens0)
     report.worker_rss_end = _worker_rss(base_url, headers)
     for priority, values in run.ttft.items():
         report.ttft_ms[priority] = {

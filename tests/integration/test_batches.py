@@ -19,7 +19,7 @@ import requests
 
 from tests.integration.conftest import TEST_ENV, Server, start_parkq, stop_parkq
 from tests.integration.helpers import wait_until
-from web.soak import _counter
+from web.metrics import read_counter
 
 MESSAGES = [{"role": "user", "content": "Tell me about the park."}]
 
@@ -175,7 +175,7 @@ def test_parkq_batch_processes_a_folder_and_a_rerun_does_nothing(
             answers.append(resp.json()["choices"][0]["finish_reason"])
             time.sleep(0.1)
 
-    preempt0 = _counter(small, {}, "parkq_preemptions_total")
+    preempt0 = read_counter(small, {}, "parkq_preemptions_total")
     thread = threading.Thread(target=interactive)
     thread.start()
     try:
@@ -196,14 +196,14 @@ def test_parkq_batch_processes_a_folder_and_a_rerun_does_nothing(
     assert long["calls"] > long["chunks"]
     assert rows["note-0.txt"]["chunks"] == 1 and rows["note-0.txt"]["calls"] == 1
     assert answers and set(answers) <= {"stop", "length"}
-    assert _counter(small, {}, "parkq_preemptions_total") > preempt0
+    assert read_counter(small, {}, "parkq_preemptions_total") > preempt0
 
-    tokens0 = _counter(small, {}, "parkq_tokens_generated_total")
+    tokens0 = read_counter(small, {}, "parkq_tokens_generated_total")
     again = _parkq_batch(folder, "--url", small, "--out", out, "--max-tokens", "24")
     assert again.returncode == 0, again.stderr
     assert "0 done, 6 already done" in again.stderr
     assert len(out.read_text().splitlines()) == 6
-    assert _counter(small, {}, "parkq_tokens_generated_total") == tokens0
+    assert read_counter(small, {}, "parkq_tokens_generated_total") == tokens0
 
     # A changed document runs again; the others are still skipped.
     (folder / "note-1.txt").write_text(_document(30, 3))
