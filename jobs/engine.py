@@ -17,7 +17,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _internals, llama_chat_format
 
-__all__ = ["Engine", "EngineError", "LlamaEngine", "Vocab"]
+__all__ = ["Engine", "EngineError", "LlamaEngine", "Vocab", "build_info"]
 
 
 class EngineError(RuntimeError):
@@ -49,18 +49,36 @@ def _NULL_LOG(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     return None
 
 
-def _load_model(path: str, vocab_only: bool) -> _internals.LlamaModel:
+def build_info() -> str:
+    """llama.cpp's build and the CPU features it uses here (its system info line)."""
+    return (
+        f"llama-cpp-python {llama_cpp.__version__}; "
+        + llama_cpp.llama_print_system_info().decode(errors="replace")
+    )
+
+
+def _load_model(path: str, vocab_only: bool, extra_buffers: bool = True) -> _internals.LlamaModel:
     _quiet()
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = vocab_only
+    # Extra buffer types repack weights for the CPU's fastest kernels (AMX, AVX-512
+    # repacks); on some machines those kernels crash: jobs/kernels.py decides.
+    params.use_extra_bufts = extra_buffers
     return _internals.LlamaModel(path_model=path, params=params, verbose=False)
 
 
 class Vocab:
     """Tokenizer, detokenizer and chat template of one GGUF model."""
 
-    def __init__(self, path: str, chat_format: str | None = None, *, vocab_only: bool = True):
-        self.model = _load_model(path, vocab_only)
+    def __init__(
+        self,
+        path: str,
+        chat_format: str | None = None,
+        *,
+        vocab_only: bool = True,
+        extra_buffers: bool = True,
+    ):
+        self.model = _load_model(path, vocab_only, extra_buffers)
         self._vocab = self.model.vocab
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.n_ctx_train = int(self.model.n_ctx_train())
@@ -138,8 +156,9 @@ class LlamaEngine(Vocab):
         n_threads: int | None = None,
         n_seq_max: int = 1,
         chat_format: str | None = None,
+        extra_buffers: bool = True,
     ) -> None:
-        super().__init__(path, chat_format, vocab_only=False)
+        super().__init__(path, chat_format, vocab_only=False, extra_buffers=extra_buffers)
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = n_ctx or self.n_ctx_train
         params.n_batch = n_batch

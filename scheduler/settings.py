@@ -53,8 +53,20 @@ class Settings(BaseSettings):
     n_threads: int | None = Field(
         None, ge=1, description="Decode threads; unset: one per available core."
     )
+    extra_buffers: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description=(
+            "llama.cpp's extra buffer types (weights repacked for AMX/AVX-512 kernels, on "
+            "some CPUs they crash): 'auto' probes them once per machine and model in a child "
+            "process and falls back to off if it dies; 'on' or 'off' forces."
+        ),
+    )
     cache_dir: str | None = Field(
-        None, description="Cache directory for the assembled demo model; default ~/.cache/parkq."
+        None,
+        description=(
+            "Cache directory (the assembled demo model, kernel probe verdicts); "
+            "default ~/.cache/parkq."
+        ),
     )
 
     # Web

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import time
@@ -12,6 +13,8 @@ import click
 
 from scheduler.settings import Settings, load_settings
 from web.logs import configure_logging
+
+log = logging.getLogger(__name__)
 
 __all__ = ["main"]
 
@@ -133,6 +136,7 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
     import redis
 
     from jobs.engine import LlamaEngine
+    from jobs.kernels import choose_kernels
     from jobs.worker import Worker
 
     settings = _resolve_model(
@@ -146,12 +150,19 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
     configure_logging(settings.log_level, settings.log_format)
     if not settings.redis_url:
         raise click.ClickException("--redis-url (or PARKQ_REDIS_URL) is required")
+    kernels = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir)
+    log.info(
+        "llama.cpp extra buffer types %s: %s",
+        "on" if kernels.extra_buffers else "off",
+        kernels.reason,
+    )
     engine = LlamaEngine(
         settings.model or "",
         n_ctx=settings.n_ctx,
         n_batch=settings.n_batch,
         n_threads=settings.n_threads,
         chat_format=settings.chat_format,
+        extra_buffers=kernels.extra_buffers,
     )
     client = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
     w = Worker(settings, engine, client)

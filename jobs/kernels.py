@@ -1,0 +1,161 @@
+"""Which llama.cpp kernel path a model may take on this machine.
+
+llama.cpp repacks weights into "extra buffer types" for the CPU's fastest
+kernels (AMX on recent Xeons, AVX-512/AVX2 repacks for Q4_0 and friends). On
+some machines those kernels crash the process on the first decode (a known,
+machine-dependent llama.cpp bug on virtualized Sapphire/Granite Rapids). A
+crash cannot be caught in-process, so in ``auto`` mode a *child process* (a
+fresh interpreter, never a fork: see DESIGN.md) loads the model with extra
+buffers on and decodes a few tokens; if the child dies by a signal (or fails,
+or hangs), the worker runs with extra buffers off, which is always safe.
+
+The verdict is cached per (llama.cpp build and CPU features, CPU flags, model
+file), so the probe runs once per machine and model.
+
+Invariant: ``on`` is chosen in ``auto`` mode only after a probe child on this
+exact (build, CPU, model file) decoded successfully with extra buffers on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["KernelChoice", "choose_kernels", "probe_command"]
+
+log = logging.getLogger(__name__)
+
+#: A probe that has not finished by then counts as failed (a hang is not a pass).
+PROBE_TIMEOUT_SECONDS = 300.0
+#: Tokens the probe decodes one at a time after its prompt (the decode kernels).
+PROBE_DECODE_STEPS = 4
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The engine's kernel path and why it was taken (for the worker's log)."""
+
+    extra_buffers: bool
+    reason: str
+
+
+def probe_command(model: str) -> list[str]:
+    """The command that probes ``model`` with extra buffers on (a fresh interpreter)."""
+    return [sys.executable, "-m", "jobs.kernels", model]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _cache_key(model: str, build: str) -> str:
+    st = os.stat(model)
+    parts = [build, _cpu_flags(), os.path.realpath(model), str(st.st_size), str(st.st_mtime_ns)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _cache_path(cache_dir: str | None, key: str) -> Path:
+    base = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "parkq"
+    return base / "kernels" / f"{key}.json"
+
+
+def _probe(command: Sequence[str], timeout: float) -> KernelChoice:
+    try:
+        done = subprocess.run(
+            list(command),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return KernelChoice(False, f"the probe with extra buffers on hung for {timeout:.0f} s")
+    except OSError as exc:
+        return KernelChoice(False, f"the probe could not start ({exc})")
+    rc = done.returncode
+    if rc == 0:
+        return KernelChoice(True, "a probe decoded with extra buffers on")
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        return KernelChoice(False, f"the probe with extra buffers on died by {name}")
+    tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+    return KernelChoice(False, f"the probe with extra buffers on failed (status {rc}) {tail[0]}")
+
+
+def choose_kernels(
+    mode: str,
+    model: str,
+    cache_dir: str | None,
+    *,
+    command: Sequence[str] | None = None,
+    timeout: float = PROBE_TIMEOUT_SECONDS,
+) -> KernelChoice:
+    """Decide extra buffers ``on``/``off`` for ``model``; ``auto`` probes once and caches.
+
+    ``command`` replaces the probe child (the tests inject one that crashes).
+    """
+    if mode == "on":
+        return KernelChoice(True, "PARKQ_EXTRA_BUFFERS=on")
+    if mode == "off":
+        return KernelChoice(False, "PARKQ_EXTRA_BUFFERS=off")
+    if mode != "auto":
+        raise ValueError(f"extra buffers mode must be auto, on or off, not {mode!r}")
+    from jobs.engine import build_info
+
+    path = _cache_path(cache_dir, _cache_key(model, build_info()))
+    try:
+        cached = json.loads(path.read_text())
+        return KernelChoice(bool(cached["extra_buffers"]), f"cached: {cached['reason']}")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    log.info("probing llama.cpp's extra buffer types on %s in a child process", model)
+    choice = _probe(command or probe_command(model), timeout)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"extra_buffers": choice.extra_buffers, "reason": choice.reason}))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("cannot cache the kernel verdict at %s: %s", path, exc)
+    return choice
+
+
+def _run_probe(model: str) -> None:
+    """The child: load with extra buffers on, prefill a few tokens, decode a few."""
+    import numpy as np
+
+    from jobs.engine import LlamaEngine
+
+    engine = LlamaEngine(model, n_ctx=256, n_batch=64, n_threads=None, extra_buffers=True)
+    prompt = engine.tokenize("The quick brown fox jumps over the lazy dog.")[:32]
+    logits = engine.eval(prompt, 0)
+    pos = len(prompt)
+    for _ in range(PROBE_DECODE_STEPS):
+        if not np.isfinite(logits).all():
+            raise SystemExit("non-finite logits with extra buffers on")
+        logits = engine.eval([int(np.argmax(logits))], pos)
+        pos += 1
+    engine.close()
+
+
+if __name__ == "__main__":
+    _run_probe(sys.argv[1])
