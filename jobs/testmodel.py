@@ -1,6 +1,7 @@
 """A tiny, deterministic, random-weight llama GGUF for tests and demos.
 
-2 layers, 64-dim, f32, a ~600-token SentencePiece-style vocabulary with the 256
+2 layers, 64-dim, f32 (or its matrices quantized to Q8_0 or Q4_0, so the
+quantized and repacked kernels that real models take are exercised), a ~600-token SentencePiece-style vocabulary with the 256
 byte tokens, so any UTF-8 round-trips through tokenize/detokenize. The same
 seed always writes the same file, and greedy decoding of it is reproducible.
 """
@@ -13,13 +14,21 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-__all__ = ["CHAT_TEMPLATE", "write_test_model"]
+__all__ = ["CHAT_TEMPLATE", "QUANTS", "write_test_model"]
 
 N_EMBD = 64
 N_HEAD = 4
 N_LAYER = 2
 N_FF = 128
 N_CTX_TRAIN = 4096
+
+#: Weight types ``write_test_model`` can write: (tensor type of the matrices, file type).
+#: K-quants need rows of 256 values; this model's rows are 64 or 128 wide.
+QUANTS: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
+    "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+    "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+}
 
 #: A plain role-tagged template, so chat requests exercise the model's own template.
 CHAT_TEMPLATE = (
@@ -145,8 +154,11 @@ def _vocab() -> tuple[list[bytes], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_test_model(path: str | Path, seed: int = 0) -> Path:
-    """Write the tiny model to ``path`` and return the path."""
+def write_test_model(path: str | Path, seed: int = 0, quant: str = "f32") -> Path:
+    """Write the tiny model to ``path`` (weights of type ``quant``) and return the path."""
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {', '.join(QUANTS)}, not {quant!r}")
+    qtype, file_type = QUANTS[quant]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -154,7 +166,7 @@ def write_test_model(path: str | Path, seed: int = 0) -> Path:
     n_vocab = len(tokens)
 
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(f"parkq-tiny-{seed}")
+    w.add_name(f"parkq-tiny-{seed}" + ("" if quant == "f32" else f"-{quant}"))
     w.add_context_length(N_CTX_TRAIN)
     w.add_embedding_length(N_EMBD)
     w.add_feed_forward_length(N_FF)
@@ -163,7 +175,7 @@ def write_test_model(path: str | Path, seed: int = 0) -> Path:
     w.add_head_count_kv(N_HEAD)
     w.add_rope_dimension_count(N_EMBD // N_HEAD)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(file_type)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
@@ -178,24 +190,33 @@ def write_test_model(path: str | Path, seed: int = 0) -> Path:
     def rand(*shape: int, std: float = 0.2) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
-    w.add_tensor("token_embd.weight", rand(n_vocab, N_EMBD, std=1.0))
+    add_f32 = w.add_tensor
+
+    def add_matrix(name: str, data: np.ndarray) -> None:
+        # The same random draws at every type: a quantized model is the f32 one, rounded.
+        if qtype == gguf.GGMLQuantizationType.F32:
+            add_f32(name, data)
+        else:
+            add_f32(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+    add_matrix("token_embd.weight", rand(n_vocab, N_EMBD, std=1.0))
     w.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
     out = rand(n_vocab, N_EMBD, std=0.5)
     out[2] *= 0.25  # make end-of-sequence rare, so generations run long by default
     # Make bytes 0x80-0xFF rare too: the output stays mostly valid UTF-8 text.
     out[3 + 0x80 : 3 + 0x100] *= 0.1
-    w.add_tensor("output.weight", out)
+    add_matrix("output.weight", out)
     for i in range(N_LAYER):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        w.add_tensor(p + "attn_q.weight", rand(N_EMBD, N_EMBD))
-        w.add_tensor(p + "attn_k.weight", rand(N_EMBD, N_EMBD))
-        w.add_tensor(p + "attn_v.weight", rand(N_EMBD, N_EMBD))
-        w.add_tensor(p + "attn_output.weight", rand(N_EMBD, N_EMBD))
+        add_matrix(p + "attn_q.weight", rand(N_EMBD, N_EMBD))
+        add_matrix(p + "attn_k.weight", rand(N_EMBD, N_EMBD))
+        add_matrix(p + "attn_v.weight", rand(N_EMBD, N_EMBD))
+        add_matrix(p + "attn_output.weight", rand(N_EMBD, N_EMBD))
         w.add_tensor(p + "ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        w.add_tensor(p + "ffn_gate.weight", rand(N_FF, N_EMBD))
-        w.add_tensor(p + "ffn_up.weight", rand(N_FF, N_EMBD))
-        w.add_tensor(p + "ffn_down.weight", rand(N_EMBD, N_FF))
+        add_matrix(p + "ffn_gate.weight", rand(N_FF, N_EMBD))
+        add_matrix(p + "ffn_up.weight", rand(N_FF, N_EMBD))
+        add_matrix(p + "ffn_down.weight", rand(N_EMBD, N_FF))
 
     w.write_header_to_file()
     w.write_kv_data_to_file()

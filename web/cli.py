@@ -182,12 +182,14 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
 @main.command("make-test-model")
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights seed.")
-def make_test_model(path: Path, seed: int) -> None:
+@click.option("--quant", type=click.Choice(["f32", "q8_0", "q4_0"]), default="f32",
+              show_default=True, help="Type of the weight matrices.")  # fmt: skip
+def make_test_model(path: Path, seed: int, quant: str) -> None:
     """Write the tiny deterministic random-weight GGUF used by the tests."""
     from jobs.testmodel import write_test_model
 
-    write_test_model(path, seed)
-    click.echo(f"wrote {path} ({path.stat().st_size} bytes, seed {seed})")
+    write_test_model(path, seed, quant)
+    click.echo(f"wrote {path} ({path.stat().st_size} bytes, seed {seed}, {quant})")
 
 
 @main.command()
