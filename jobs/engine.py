@@ -17,7 +17,14 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _internals, llama_chat_format
 
-__all__ = ["Engine", "EngineError", "LlamaEngine", "Vocab", "build_info"]
+__all__ = [
+    "Engine",
+    "EngineError",
+    "LlamaEngine",
+    "Vocab",
+    "build_info",
+    "set_llama_extra_buffers",
+]
 
 
 class EngineError(RuntimeError):
@@ -55,6 +62,22 @@ def build_info() -> str:
         f"llama-cpp-python {llama_cpp.__version__}; "
         + llama_cpp.llama_print_system_info().decode(errors="replace")
     )
+
+
+def set_llama_extra_buffers(on: bool) -> None:
+    """Make llama-cpp-python's own ``Llama`` (and its server) in this process load
+    models with extra buffer types ``on`` or off: the bench's peers then run the
+    same kernels as parkq's engine. ``Llama`` has no parameter for it."""
+    from llama_cpp import llama_cpp as low_level
+
+    default = llama_cpp.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        p.use_extra_bufts = on
+        return p
+
+    low_level.llama_model_default_params = params
 
 
 def _load_model(path: str, vocab_only: bool, extra_buffers: bool = True) -> _internals.LlamaModel:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["KernelChoice", "choose_kernels", "probe_command"]
+__all__ = ["KernelChoice", "choose_kernels", "peer_server_command", "probe_command"]
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,12 @@ class KernelChoice:
 
 def probe_command(model: str) -> list[str]:
     """The command that probes ``model`` with extra buffers on (a fresh interpreter)."""
-    return [sys.executable, "-m", "jobs.kernels", model]
+    return [sys.executable, "-m", "jobs.kernels", "probe", model]
+
+
+def peer_server_command(extra_buffers: bool) -> list[str]:
+    """``python -m llama_cpp.server`` with extra buffers forced on or off (append its args)."""
+    return [sys.executable, "-m", "jobs.kernels", "serve", "on" if extra_buffers else "off"]
 
 
 def _cpu_flags() -> str:
@@ -157,5 +162,21 @@ def _run_probe(model: str) -> None:
     engine.close()
 
 
+def _serve(extra_buffers: bool, argv: list[str]) -> None:
+    """llama-cpp-python's server with the given kernel path (the bench's peer)."""
+    import runpy
+
+    from jobs.engine import set_llama_extra_buffers
+
+    set_llama_extra_buffers(extra_buffers)
+    sys.argv = ["llama_cpp.server", *argv]
+    runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+
+
 if __name__ == "__main__":
-    _run_probe(sys.argv[1])
+    if sys.argv[1] == "probe":
+        _run_probe(sys.argv[2])
+    elif sys.argv[1] == "serve":
+        _serve(sys.argv[2] == "on", sys.argv[3:])
+    else:
+        raise SystemExit("usage: python -m jobs.kernels probe MODEL | serve on|off ARGS...")

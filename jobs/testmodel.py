@@ -1,8 +1,9 @@
 """A tiny, deterministic, random-weight llama GGUF for tests and demos.
 
 2 layers, 64-dim, f32 (or its matrices quantized to Q8_0 or Q4_0, so the
-quantized and repacked kernels that real models take are exercised), a ~600-token SentencePiece-style vocabulary with the 256
-byte tokens, so any UTF-8 round-trips through tokenize/detokenize. The same
+quantized and repacked kernels that real models take are exercised), a
+~600-token SentencePiece-style vocabulary with the 256 byte tokens, so any
+UTF-8 round-trips through tokenize/detokenize. The same
 seed always writes the same file, and greedy decoding of it is reproducible.
 """
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +13,7 @@ import numpy as np
 import redis
 import requests
 
+from jobs.kernels import choose_kernels, peer_server_command
 from jobs.store import Store
 from scheduler.settings import Settings
 from web.bench.workload import SHORT_BODY, Observed, Request, Workload, play, stream
@@ -96,7 +96,9 @@ def peer_server(settings: Settings) -> Iterator[str]:
     """llama-cpp-python's own OpenAI server on the same model file."""
     port = free_port()
     threads = str(settings.n_threads or len(os.sched_getaffinity(0)))
-    argv = [sys.executable, "-m", "llama_cpp.server", "--model", settings.model or "",
+    # The peer runs the kernels parkq's worker chose for this machine and model.
+    extra = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir)
+    argv = [*peer_server_command(extra.extra_buffers), "--model", settings.model or "",
             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(settings.n_ctx),
             "--n_threads", threads, "--n_threads_batch", threads]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -154,6 +156,10 @@ def bare_decode_rate(settings: Settings, tokens: int) -> float:
     """llama-cpp-python's own generation loop on the same model: tokens/s."""
     from llama_cpp import Llama
 
+    from jobs.engine import set_llama_extra_buffers
+
+    extra = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir)
+    set_llama_extra_buffers(extra.extra_buffers)
     threads = settings.n_threads or len(os.sched_getaffinity(0))
     llm = Llama(model_path=settings.model or "", n_ctx=settings.n_ctx, n_batch=settings.n_batch,
                 n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip
