@@ -277,6 +277,11 @@ class Store:
             )
             p.execute()
 
+    def retire_worker(self, worker: str) -> bool:
+        """Mark ``worker``'s liveness as expired, so the next :meth:`reap` requeues
+        its jobs; whether it was registered."""
+        return bool(self.r.zadd(self.keys.workers, {worker: 0}, xx=True, ch=True))
+
     def remove_worker(self, worker: str) -> None:
         with self.r.pipeline() as p:
             p.zrem(self.keys.workers, worker)

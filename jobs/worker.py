@@ -74,8 +74,17 @@ class Worker:
 
     def run(self) -> None:
         """Work until :meth:`stop` is called."""
-        if self.name in self.store.workers_alive(time.time()):
-            raise RuntimeError(f"a live worker is already named {self.name!r}")
+        # A worker restarted under its old name (a crash restart, a container's
+        # `restart:`) is that name's previous life, not a live twin: it takes
+        # over what the previous instance held (its jobs are requeued now, not
+        # after the TTL) before its own first heartbeat refreshes the name.
+        if self.store.retire_worker(self.name):
+            log.warning(
+                "worker %s: a previous instance under this name did not sign off; "
+                "taking over its jobs",
+                self.name,
+            )
+            self._reap(time.time())
         self.rq.register_worker(self.name)
         self.beat()
         log.info("worker %s ready (n_ctx=%d)", self.name, self.engine.n_ctx)
@@ -120,10 +129,22 @@ class Worker:
             log.warning("worker %s: heartbeat failed (%s)", self.name, exc)
 
     def _beat(self, now: float) -> None:
+        # Reap before the heartbeat: a beat must never refresh a dead worker of
+        # the same name before its jobs are requeued.
+        self._reap(now)
         self.store.heartbeat(
             self.name, now, self.settings.worker_ttl, self.checkpoints.bytes, resident_bytes()
         )
         self.rq.heartbeat(int(self.settings.worker_ttl) + 60)
+        held = self.checkpoints.job_ids()
+        if held:
+            for job_id, state in self.store.job_states(held).items():
+                if state is None or JobState(state) in TERMINAL:
+                    self.checkpoints.drop(job_id)
+                    log.info("job %s: ended while parked; checkpoint freed", job_id)
+
+    def _reap(self, now: float) -> None:
+        """Requeue (or fail) the jobs of workers whose liveness expired."""
         for reaped in self.store.reap(now):
             self.rq.forget_worker(reaped.worker)
             if not reaped.job_id:
@@ -136,12 +157,6 @@ class Worker:
             elif reaped.outcome == "failed":
                 self.store.count("jobs_failed")
                 self.rq.ended(reaped.job_id, "failed", error="worker lost")
-        held = self.checkpoints.job_ids()
-        if held:
-            for job_id, state in self.store.job_states(held).items():
-                if state is None or JobState(state) in TERMINAL:
-                    self.checkpoints.drop(job_id)
-                    log.info("job %s: ended while parked; checkpoint freed", job_id)
 
     def _feed_batch(self, job_id: str) -> None:
         """A batch's job left this worker: queue the batch's next lines."""

@@ -1,0 +1,88 @@
+"""A worker restarted under its old name takes over its previous life's jobs.
+
+Real restarts keep the name (`parkq up` restarts worker N as worker N; compose's
+`restart:` keeps the hostname and PID 1): the new instance must requeue and
+resume what the SIGKILLed one held at once, not refuse to start as a "live twin"
+and not refresh the dead one's liveness with its own heartbeat.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from tests.integration.conftest import TEST_ENV, start_parkq, stop_parkq
+from tests.integration.helpers import (
+    completion_text,
+    job,
+    logprob_tokens,
+    read_events,
+    submit_stream,
+    wait_until,
+)
+from tests.integration.test_parking import _long
+from tests.integration.test_workers import running_cluster
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes whose parent is ``pid``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append((int(entry.name), cmdline))
+    return out
+
+
+def test_a_worker_restarted_under_its_old_name_resumes_its_job(
+    redis_server, tiny_model: Path, tmp_path: Path
+) -> None:
+    body = _long(0.8, max_tokens=2500)
+    with running_cluster(redis_server.url, tiny_model, tmp_path, "samename", ("gpu0",)) as c:
+        reference = read_events(submit_stream(c.base_url, body))
+        resp = submit_stream(c.base_url, body)
+        job_id = resp.headers["X-Job-Id"]
+        wait_until(lambda: job(c.base_url, job_id)["tokens"] > 100)
+        c.procs["gpu0"].send_signal(signal.SIGKILL)
+        c.procs["gpu0"].wait()
+        c.start_worker("gpu0")  # once, at once: it must not refuse the name
+        events = read_events(resp)
+        resp.close()
+        assert c.procs["gpu0"].poll() is None, "the restarted worker exited"
+        assert [i for i, _ in events] == list(range(1, len(events) + 1))
+        assert completion_text(events) == completion_text(reference)
+        assert logprob_tokens(events) == logprob_tokens(reference)
+        status = job(c.base_url, job_id)
+        assert status["state"] == "finished" and status["worker"] == "gpu0"
+
+
+def test_parkq_up_restarts_a_sigkilled_worker_and_keeps_serving(
+    redis_server, tiny_model: Path
+) -> None:
+    env = {**TEST_ENV, "PARKQ_KEY_PREFIX": "uprestart", "PARKQ_QUEUE_NAME": "uprestart"}
+    proc, base = start_parkq(tiny_model, redis_server.url, env=env)
+    try:
+        body = _long(0.0, max_tokens=2500)
+        reference = read_events(submit_stream(base, body))
+        for _ in range(2):  # twice: a restarted worker can be killed again
+            resp = submit_stream(base, body)
+            job_id = resp.headers["X-Job-Id"]
+            wait_until(lambda job_id=job_id: job(base, job_id)["tokens"] > 100)
+            workers = [pid for pid, cmd in _children(proc.pid) if " worker" in cmd]
+            assert len(workers) == 1
+            os.kill(workers[0], signal.SIGKILL)
+            events = read_events(resp)
+            resp.close()
+            assert completion_text(events) == completion_text(reference)
+            assert [i for i, _ in events] == list(range(1, len(events) + 1))
+            assert job(base, job_id)["state"] == "finished"
+        assert proc.poll() is None, "parkq up stopped"
+    finally:
+        stop_parkq(proc)
