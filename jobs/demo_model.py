@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from scheduler.settings import cache_root
+
 __all__ = ["DEMO_CHAT_FORMAT", "assemble_demo_model", "demo_model_target"]
 
 #: gemma-3-270m is a base model without a chat template.
@@ -23,7 +25,7 @@ def _package():  # type: ignore[no-untyped-def]
 
 def demo_model_target(cache_dir: str | None) -> Path:
     """Where the assembled demo model lives (it may not exist yet)."""
-    base = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "parkq"
+    base = cache_root(cache_dir)
     return base / "models" / _package().MODEL_NAME
 
 

@@ -120,6 +120,15 @@ class Vocab:
         with self._lock:
             return [int(t) for t in self.model.tokenize(text.encode(), bos, special)]
 
+    def piece(self, token: int) -> bytes:
+        """A token's bytes with control tokens spelled out (uncached: for digests)."""
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+        return bytes(buf.raw[: max(n, 0)])
+
     def token_bytes(self, token: int) -> bytes:
         """The bytes of one token's piece (control tokens give b'')."""
         piece = self._piece_cache.get(token)

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from scheduler.settings import cache_root
+
 __all__ = ["KernelChoice", "choose_kernels", "peer_server_command", "probe_command"]
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,7 @@ def _cache_key(model: str, build: str) -> str:
 
 
 def _cache_path(cache_dir: str | None, key: str) -> Path:
-    base = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "parkq"
+    base = cache_root(cache_dir)
     return base / "kernels" / f"{key}.json"
 
 

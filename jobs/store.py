@@ -16,6 +16,7 @@ from typing import Any
 import redis
 
 from jobs.events import DONE, error_event
+from jobs.identity import ModelIdentity
 from scheduler.keys import Keys
 from scheduler.policy import Policy
 from scheduler.preempt import PreemptPolicy, Runner, choose_victim
@@ -98,8 +99,13 @@ class Reaped:
 class Store:
     """parkq's job records in Redis, for the web process and the workers."""
 
-    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+    def __init__(
+        self, client: redis.Redis, settings: Settings, model: ModelIdentity | None = None
+    ) -> None:
         self.r = client
+        #: The model this process serves or tokenizes for: stamped on the jobs
+        #: it makes, announced with its heartbeats, required of the jobs it claims.
+        self.model = model
         self.keys: Keys = settings.keys
         self.policy: Policy = settings.policy
         self.preempt_policy: PreemptPolicy = settings.preempt_policy
@@ -143,6 +149,7 @@ class Store:
             "tokens": "0",
             "exec": "0",
             "preemptions": "0",
+            **({"model_digest": self.model.digest} if self.model else {}),
         }
 
     def enqueue(
@@ -212,26 +219,45 @@ class Store:
     def workers_alive(self, now: float) -> list[str]:
         return [_text(n) for n in self.r.zrangebyscore(self.keys.workers, now, "+inf")]
 
+    def worker_models(self, now: float) -> dict[str, ModelIdentity | None]:
+        """The live workers and the model each announced (None: announced none)."""
+        alive = self.workers_alive(now)
+        with self.r.pipeline(transaction=False) as p:
+            for w in alive:
+                p.hgetall(self.keys.worker(w))
+            rows = p.execute()
+        return {
+            w: ModelIdentity.from_fields({_text(a): _text(b) for a, b in row.items()})
+            for w, row in zip(alive, rows, strict=True)
+        }
+
     # -- preemption -------------------------------------------------------
 
     def runners(self, now: float) -> tuple[list[Runner], int, list[str]]:
-        """Preemptible live runners, the number of idle live workers, their exec tokens."""
+        """Preemptible live runners, the number of idle live workers, their exec tokens.
+
+        Only workers that can run this store's jobs count (the same model, or
+        one that announced none).
+        """
         k = self.keys
         with self.r.pipeline(transaction=False) as p:
             p.zrangebyscore(k.workers, now, "+inf")
             p.zrange(k.running, 0, -1)
             alive_raw, running_raw = p.execute()
-        alive = {_text(w) for w in alive_raw}
-        busy = [_text(w) for w in running_raw if _text(w) in alive]
+        alive = [_text(w) for w in alive_raw]
+        running = {_text(w) for w in running_raw}
         with self.r.pipeline(transaction=False) as p:
-            for w in busy:
-                p.hmget(k.worker(w), "job", "exec", "since", "key", "pinned")
+            for w in alive:
+                p.hmget(k.worker(w), "job", "exec", "since", "key", "pinned", "model_digest")
             rows = p.execute()
         runners, tokens = [], []
-        working = 0
-        for w, (job, exec_, since, key, pinned) in zip(busy, rows, strict=True):
-            if job is None or since is None or key is None:
-                continue  # it finished or parked since the first read: it is idle now
+        peers = working = 0
+        for w, (job, exec_, since, key, pinned, digest) in zip(alive, rows, strict=True):
+            if self.model is not None and digest is not None and _text(digest) != self.model.digest:
+                continue  # serves another model: neither idle for us nor a victim
+            peers += 1
+            if w not in running or job is None or since is None or key is None:
+                continue  # idle, or it finished or parked since the first read
             working += 1
             if pinned == b"1":
                 continue  # a worker that never parks is busy but no candidate
@@ -239,7 +265,7 @@ class Store:
             tokens.append(_text(exec_))
         # A worker that just went idle counts as idle: no one is preempted for a
         # job it is about to claim.
-        return runners, len(alive) - working, tokens
+        return runners, peers - working, tokens
 
     def maybe_preempt(self, now: float) -> str | None:
         """Flag the worker whose job the best waiting job should interrupt.
@@ -269,12 +295,15 @@ class Store:
     def heartbeat(
         self, worker: str, now: float, ttl: float, checkpoint_bytes: int = 0, rss_bytes: int = 0
     ) -> None:
+        fields: dict[str, str | int] = {
+            "checkpoint_bytes": checkpoint_bytes,
+            "rss_bytes": rss_bytes,
+        }
+        if self.model is not None:
+            fields.update(self.model.fields())
         with self.r.pipeline(transaction=False) as p:
             p.zadd(self.keys.workers, {worker: now + ttl})
-            p.hset(
-                self.keys.worker(worker),
-                mapping={"checkpoint_bytes": checkpoint_bytes, "rss_bytes": rss_bytes},
-            )
+            p.hset(self.keys.worker(worker), mapping=fields)
             p.execute()
 
     def retire_worker(self, worker: str) -> bool:
@@ -306,6 +335,7 @@ class Store:
                 self.settings.affinity_seconds,
                 16,
                 "0" if self.settings.preempt else "1",
+                self.model.digest if self.model else "",
             ],
         )
         if not got:

@@ -10,6 +10,7 @@ seed always writes the same file, and greedy decoding of it is reproducible.
 from __future__ import annotations
 
 import string
+from collections.abc import Sequence
 from pathlib import Path
 
 import gguf
@@ -130,7 +131,7 @@ _WORDS = [
 ]
 
 
-def _vocab() -> tuple[list[bytes], list[float], list[int]]:
+def _vocab(extra_words: Sequence[str] = ()) -> tuple[list[bytes], list[float], list[int]]:
     tokens: list[bytes] = [b"<unk>", b"<s>", b"</s>"]
     scores: list[float] = [0.0, 0.0, 0.0]
     types: list[int] = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
@@ -142,7 +143,8 @@ def _vocab() -> tuple[list[bytes], list[float], list[int]]:
     pieces += list(string.ascii_letters + string.digits + string.punctuation)
     pieces += ["\u2581" + c for c in string.ascii_lowercase]
     # Every prefix of each word piece, so that SentencePiece's pairwise merges reach it.
-    pieces += ["\u2581" + w[:n] for w in _WORDS for n in range(1, len(w) + 1)]
+    words = [*_WORDS, *extra_words]
+    pieces += ["\u2581" + w[:n] for w in words for n in range(1, len(w) + 1)]
     seen: set[str] = set()
     for piece in pieces:
         if piece in seen:
@@ -155,15 +157,20 @@ def _vocab() -> tuple[list[bytes], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_test_model(path: str | Path, seed: int = 0, quant: str = "f32") -> Path:
-    """Write the tiny model to ``path`` (weights of type ``quant``) and return the path."""
+def write_test_model(
+    path: str | Path, seed: int = 0, quant: str = "f32", extra_words: Sequence[str] = ()
+) -> Path:
+    """Write the tiny model to ``path`` (weights of type ``quant``) and return the path.
+
+    ``extra_words`` grow the vocabulary: a model with another vocabulary.
+    """
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {', '.join(QUANTS)}, not {quant!r}")
     qtype, file_type = QUANTS[quant]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    tokens, scores, types = _vocab()
+    tokens, scores, types = _vocab(extra_words)
     n_vocab = len(tokens)
 
     w = gguf.GGUFWriter(str(path), "llama")

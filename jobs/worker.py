@@ -25,6 +25,7 @@ from jobs.checkpoints import Checkpoint, CheckpointStore, PrefixCache
 from jobs.engine import Engine, EngineError
 from jobs.events import DONE, error_event
 from jobs.generation import Generation, GenerationRequest
+from jobs.identity import ModelIdentity
 from jobs.rqjobs import RQBridge
 from jobs.runner import CANCEL, PREEMPT, Outcome, drive
 from jobs.store import CANCEL_EVENTS, Claim, Fenced, Store
@@ -59,10 +60,11 @@ class Worker:
         engine: Engine,
         client: redis.Redis,
         name: str | None = None,
+        model: ModelIdentity | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
-        self.store = Store(client, settings)
+        self.store = Store(client, settings, model)
         self.rq = RQBridge(client, settings.queue_name, settings.result_ttl)
         self.name = name or settings.worker_name or default_worker_name()
         self.checkpoints = CheckpointStore(settings.checkpoint_bytes)
@@ -87,7 +89,8 @@ class Worker:
             self._reap(time.time())
         self.rq.register_worker(self.name)
         self.beat()
-        log.info("worker %s ready (n_ctx=%d)", self.name, self.engine.n_ctx)
+        served = f"serving {self.store.model.describe()}, " if self.store.model else ""
+        log.info("worker %s ready (%sn_ctx=%d)", self.name, served, self.engine.n_ctx)
         backoff = 0.0
         try:
             while not self.stopping.is_set():

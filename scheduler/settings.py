@@ -7,6 +7,7 @@ command-line overrides, frozen, and passed down. Nothing else reads
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
@@ -16,7 +17,7 @@ from scheduler.keys import Keys
 from scheduler.policy import Policy
 from scheduler.preempt import PreemptPolicy
 
-__all__ = ["Settings", "load_settings"]
+__all__ = ["Settings", "cache_root", "load_settings"]
 
 
 class Settings(BaseSettings):
@@ -184,6 +185,11 @@ class Settings(BaseSettings):
     @property
     def preempt_policy(self) -> PreemptPolicy:
         return PreemptPolicy(margin=self.preempt_margin, min_run_seconds=self.min_run_seconds)
+
+
+def cache_root(cache_dir: str | None) -> Path:
+    """The cache directory: ``cache_dir`` (PARKQ_CACHE_DIR), else ~/.cache/parkq."""
+    return Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "parkq"
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -13,6 +13,7 @@ from flask import Blueprint, Response, current_app, jsonify, request, stream_wit
 from jobs.batches import BatchStore
 from jobs.events import DONE
 from jobs.generation import GenerationRequest
+from jobs.identity import ModelIdentity
 from jobs.sampling import SamplingParams
 from jobs.store import QueueFull
 from scheduler.policy import priority_level
@@ -22,11 +23,12 @@ from web.errors import (
     BadRequest,
     Conflict,
     ContextLengthExceeded,
+    ModelMismatch,
     NotFound,
     TooManyRequests,
 )
 from web.responses import assemble
-from web.runtime import Runtime
+from web.runtime import Fleet, Runtime
 from web.schemas import (
     ChatRequest,
     CompletionRequest,
@@ -150,8 +152,24 @@ def _completion_job(req: CompletionRequest) -> GenerationRequest:
     )
 
 
+def check_model(runtime: Runtime) -> None:
+    """Refuse work when workers are up and none serves this server's model."""
+    fleet = runtime.fleet()
+    if not fleet.mismatch or runtime.identity is None:
+        return
+    ours = runtime.identity
+    theirs = sorted({m.describe(): m for m in fleet.others.values()}.items())
+    served = "; ".join(f"{d}, {ours.difference(m)}" for d, m in theirs)
+    raise ModelMismatch(
+        f"This server tokenizes for {ours.describe()}, but the live workers serve "
+        f"{served}. Start the web server and the workers with the same model "
+        "(PARKQ_MODEL)."
+    )
+
+
 def _submit(prefix: str, gen: GenerationRequest, level: int) -> str:
     runtime = rt()
+    check_model(runtime)
     job_id = f"{prefix}-{secrets.token_hex(12)}"
     runtime.rq.create(job_id, f"{gen.kind} {len(gen.prompt_ids)}+{gen.max_tokens} tokens")
     try:
@@ -234,15 +252,44 @@ def completions() -> Any:
 
 @bp.get("/v1/models")
 def models() -> Any:
+    """This server's model, then any other model a live worker serves.
+
+    parkq extensions on each entry: ``workers`` (live workers serving it),
+    ``sha256`` (the model file's digest, when known) and ``accepts_requests``
+    (whether this server tokenizes for it, so requests for it can be made here).
+    """
     runtime = rt()
-    model = {
-        "id": runtime.model_name,
-        "object": "model",
-        "created": runtime.started,
-        "owned_by": "parkq",
-        "context_length": runtime.n_ctx,
-    }
-    return jsonify({"object": "list", "data": [model]})
+    fleet = runtime.fleet(fresh=True)
+    own = runtime.identity
+    data = [
+        {
+            "id": runtime.model_name,
+            "object": "model",
+            "created": runtime.started,
+            "owned_by": "parkq",
+            "context_length": runtime.n_ctx,
+            "workers": len(fleet.matching),
+            "sha256": own.digest if own else None,
+            "accepts_requests": True,
+        }
+    ]
+    served: dict[str, list[ModelIdentity]] = {}
+    for model in fleet.others.values():
+        served.setdefault(model.digest, []).append(model)
+    for digest, same in sorted(served.items(), key=lambda kv: kv[1][0].name):
+        data.append(
+            {
+                "id": same[0].name,
+                "object": "model",
+                "created": runtime.started,
+                "owned_by": "parkq",
+                "context_length": min(m.n_ctx for m in same),
+                "workers": len(same),
+                "sha256": digest,
+                "accepts_requests": False,
+            }
+        )
+    return jsonify({"object": "list", "data": data})
 
 
 @bp.post("/v1/tokenize")
@@ -278,19 +325,23 @@ def detokenize() -> Any:
 @bp.get("/healthz")
 def healthz() -> Any:
     runtime = rt()
+    fleet = Fleet({}, {})
     try:
         runtime.store.r.ping()
-        workers = runtime.store.workers_alive(time.time())
+        fleet = runtime.fleet(fresh=True)
         redis_ok = True
     except Exception:
-        workers, redis_ok = [], False
-    ok = redis_ok and bool(workers)
-    body = {
-        "status": "ok" if ok else "unavailable",
+        redis_ok = False
+    ok = redis_ok and bool(fleet.matching)
+    status = "ok" if ok else "model_mismatch" if fleet.mismatch else "unavailable"
+    body: dict[str, Any] = {
+        "status": status,
         "redis": redis_ok,
-        "workers": len(workers),
+        "workers": len(fleet.matching),
         "model": runtime.model_name,
     }
+    if fleet.others:
+        body["other_models"] = sorted({m.describe() for m in fleet.others.values()})
     return jsonify(body), 200 if ok else 503
 
 

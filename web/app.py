@@ -34,22 +34,28 @@ def create_app(
         if not settings.redis_url:
             raise ValueError("PARKQ_REDIS_URL is required")
         client = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+    identity = None
     if vocab is None:
         if not settings.model:
             raise ValueError("PARKQ_MODEL is required")
         from jobs.engine import Vocab
+        from jobs.identity import identify
 
-        vocab = Vocab(settings.model, settings.chat_format)
+        loaded = Vocab(settings.model, settings.chat_format)
+        n_ctx = settings.n_ctx or loaded.n_ctx_train
+        identity = identify(model_name(settings), settings.model, loaded, n_ctx, settings.cache_dir)
+        vocab = loaded
 
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.extensions["parkq"] = Runtime(
         settings=settings,
-        store=Store(client, settings),
+        store=Store(client, settings, identity),
         rq=RQBridge(client, settings.queue_name, settings.result_ttl),
         vocab=vocab,
         model_name=model_name(settings),
+        identity=identity,
     )
     errors.init_app(app)
     auth.init_app(app, settings.api_key_list)

@@ -177,9 +177,10 @@ def _error_line(custom_id: str | None, code: str, message: str) -> dict[str, Any
 
 @bp.post("/v1/batches")
 def create_batch() -> Any:
-    from web.api import _body
+    from web.api import _body, check_model
 
     req = parse(BatchCreate, _body())
+    check_model(_rt())
     window = _WINDOW.match(req.completion_window)
     assert window is not None  # the model's pattern
     meta = _file(req.input_file_id)

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from scheduler.settings import Settings, load_settings
+from scheduler.settings import Settings, cache_root, load_settings
 from web.logs import configure_logging
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,74 @@ def _resolve_model(settings: Settings) -> Settings:
     if settings.chat_format is None:
         update["chat_format"] = DEMO_CHAT_FORMAT
     return settings.model_copy(update=update)
+
+
+def redact(url: str | None) -> str:
+    """``url`` with its password (if any) replaced by ``***``, for output and logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    if not url:
+        return ""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def preflight(settings: Settings) -> None:
+    """Check the model file and Redis before starting anything; one line if wrong."""
+    model = settings.model or ""
+    path = Path(model).expanduser()
+    if not path.is_file():
+        raise click.ClickException(
+            f"no model file at {model} (--model or PARKQ_MODEL: the path of a .gguf file)"
+        )
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise click.ClickException(f"cannot read the model file {model}: {exc.strerror}") from None
+    if magic != b"GGUF":
+        raise click.ClickException(f"{model} is not a GGUF model file (llama.cpp needs GGUF)")
+    if settings.redis_url:
+        check_redis(settings.redis_url)
+
+
+def check_redis(url: str) -> None:
+    """Ping Redis at ``url``; a one-line error saying what to fix if it does not answer."""
+    import redis
+
+    shown = redact(url)
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    except ValueError as exc:
+        raise click.ClickException(f"{shown} is not a Redis URL: {exc}") from None
+    try:
+        client.ping()
+    except redis.AuthenticationError:
+        raise click.ClickException(
+            f"Redis at {shown} refused the credentials: check the password (and user) in "
+            "--redis-url or PARKQ_REDIS_URL"
+        ) from None
+    except redis.ResponseError as exc:
+        if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+            raise click.ClickException(
+                f"Redis at {shown} needs a password: give it in the URL "
+                "(redis://:PASSWORD@host:port/0)"
+            ) from None
+        raise click.ClickException(f"Redis at {shown} answered: {exc}") from None
+    except redis.ConnectionError as exc:
+        reason = str(exc).split(". ")[-1].rstrip(".") or type(exc).__name__
+        raise click.ClickException(
+            f"cannot reach Redis at {shown} ({reason}): start it, fix --redis-url / "
+            "PARKQ_REDIS_URL, or leave it out for an embedded Redis (parkq up)"
+        ) from None
+    finally:
+        client.close()
 
 
 def _stop_on_signals(handler: Any) -> None:
@@ -82,7 +150,9 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
         preempt=False if no_preempt else None,
     )
     configure_logging(settings.log_level, settings.log_format)
-    stack = Stack(_resolve_model(settings), workers=workers)
+    settings = _resolve_model(settings)
+    preflight(settings)
+    stack = Stack(settings, workers=workers)
 
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -95,7 +165,7 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
         s = stack.settings
         click.echo(
             f"parkq is up at {stack.base_url}  (model {Path(s.model or '').name}, "
-            f"{workers} worker{'s' if workers != 1 else ''}, redis {s.redis_url})"
+            f"{workers} worker{'s' if workers != 1 else ''}, redis {redact(s.redis_url)})"
         )
         code = stack.wait()
     except KeyboardInterrupt:
@@ -123,6 +193,7 @@ def web(host: str | None, port: int | None, redis_url: str | None, model: str | 
     configure_logging(settings.log_level, settings.log_format)
     if not settings.redis_url:
         raise click.ClickException("--redis-url (or PARKQ_REDIS_URL) is required")
+    preflight(settings)
     serve(settings)
 
 
@@ -136,8 +207,10 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
     import redis
 
     from jobs.engine import LlamaEngine
+    from jobs.identity import identify
     from jobs.kernels import choose_kernels
     from jobs.worker import Worker
+    from web.app import model_name
 
     settings = _resolve_model(
         load_settings(
@@ -150,22 +223,29 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
     configure_logging(settings.log_level, settings.log_format)
     if not settings.redis_url:
         raise click.ClickException("--redis-url (or PARKQ_REDIS_URL) is required")
+    preflight(settings)
     kernels = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir)
     log.info(
         "llama.cpp extra buffer types %s: %s",
         "on" if kernels.extra_buffers else "off",
         kernels.reason,
     )
-    engine = LlamaEngine(
-        settings.model or "",
-        n_ctx=settings.n_ctx,
-        n_batch=settings.n_batch,
-        n_threads=settings.n_threads,
-        chat_format=settings.chat_format,
-        extra_buffers=kernels.extra_buffers,
+    try:
+        engine = LlamaEngine(
+            settings.model or "",
+            n_ctx=settings.n_ctx,
+            n_batch=settings.n_batch,
+            n_threads=settings.n_threads,
+            chat_format=settings.chat_format,
+            extra_buffers=kernels.extra_buffers,
+        )
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise click.ClickException(f"cannot load the model {settings.model}: {exc}") from None
+    identity = identify(
+        model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir
     )
     client = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
-    w = Worker(settings, engine, client)
+    w = Worker(settings, engine, client, model=identity)
     signals = {"count": 0}
 
     def _stop(signum: int, frame: Any) -> None:
@@ -196,22 +276,52 @@ def make_test_model(path: Path, seed: int, quant: str) -> None:
 @_model_opt
 @click.option("--prompt", default="The history of the printing press", show_default=True,
               help="Prompt of the long batch job.")  # fmt: skip
-@click.option("--max-tokens", type=int, default=400, show_default=True,
-              help="Length of the long batch job.")  # fmt: skip
+@click.option("--max-tokens", type=int,
+              help="Length of the long batch job [sized to run about 10 s here].")  # fmt: skip
 @click.option("--question", default="The capital of France is", show_default=True,
               help="The short interactive request.")  # fmt: skip
-def demo(model: str | None, prompt: str, max_tokens: int, question: str) -> None:
+def demo(model: str | None, prompt: str, max_tokens: int | None, question: str) -> None:
     """Start parkq; stream a long job; a short question parks it; it resumes."""
-    from web.demo import run_demo
-    from web.launcher import Stack
+    import threading
+
+    from web.demo import DemoFailed, run_demo
+    from web.launcher import Stack, exit_status
 
     settings = _resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
     configure_logging(settings.log_level, settings.log_format)
+    preflight(settings)
+    logs = cache_root(settings.cache_dir) / "demo-logs" / time.strftime("%Y%m%d-%H%M%S")
     click.echo("parkq: starting (embedded Redis, web server, one worker)...")
     t0 = time.monotonic()
-    with Stack(settings) as stack:
-        click.echo(f"parkq is up at {stack.base_url} after {time.monotonic() - t0:.1f} s")
-        run_demo(stack.base_url, prompt, max_tokens, question, _write)
+    stack = Stack(settings, log_dir=logs)
+    failure: list[BaseException] = []
+
+    def _run() -> None:
+        try:
+            run_demo(stack.base_url, prompt, max_tokens, question, _write)
+        except BaseException as exc:  # reported below, in one line
+            failure.append(exc)
+
+    try:
+        with stack:
+            click.echo(f"parkq is up at {stack.base_url} after {time.monotonic() - t0:.1f} s")
+            thread = threading.Thread(target=_run, daemon=True)
+            thread.start()
+            while thread.is_alive():
+                dead = stack.exited()
+                if dead is not None:
+                    name, code = dead
+                    raise DemoFailed(f"the {name} process {exit_status(code)}; its log: "
+                                     f"{stack.log_path(name)}")  # fmt: skip
+                thread.join(timeout=0.2)
+            if failure:
+                raise failure[0]
+    except KeyboardInterrupt:
+        raise click.exceptions.Exit(130) from None
+    except Exception as exc:
+        reason = str(exc) if isinstance(exc, DemoFailed | RuntimeError) else repr(exc)
+        click.echo(f"\nparkq demo failed: {reason} (logs in {logs})", err=True)
+        raise click.exceptions.Exit(1) from None
     click.echo("parkq: stopped.")
 
 

@@ -84,6 +84,14 @@ class TooManyRequests(APIError):
         self.retry_after = retry_after
 
 
+class ModelMismatch(APIError):
+    """The live workers serve another model than the one this server tokenizes for."""
+
+    status = 503
+    type = "server_error"
+    code = "model_mismatch"
+
+
 _HTTP_CODES = {
     400: ("invalid_request_error", "bad_request"),
     404: ("invalid_request_error", "not_found"),

@@ -22,7 +22,7 @@ import requests
 
 from scheduler.settings import Settings
 
-__all__ = ["Stack", "embedded_redis_server", "free_port", "settings_env"]
+__all__ = ["Stack", "embedded_redis_server", "exit_status", "free_port", "settings_env"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -54,6 +54,17 @@ def embedded_redis_server() -> str:
     return found
 
 
+def exit_status(code: int) -> str:
+    """``exited with status 3`` or ``was killed by SIGSEGV (signal 11)``."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "a signal"
+        return f"was killed by {name} (signal {-code})"
+    return f"exited with status {code}"
+
+
 def settings_env(settings: Settings) -> dict[str, str]:
     """The environment that rebuilds ``settings`` in a child process."""
     env = dict(os.environ)
@@ -69,9 +80,12 @@ def settings_env(settings: Settings) -> dict[str, str]:
 class Stack:
     """Redis (when none is given), one web process and N workers."""
 
-    def __init__(self, settings: Settings, workers: int = 1) -> None:
+    def __init__(self, settings: Settings, workers: int = 1, log_dir: Path | None = None) -> None:
         self.settings = settings
         self.workers = workers
+        #: When set, each child writes its output to ``<log_dir>/<name>.log``
+        #: instead of the terminal.
+        self.log_dir = log_dir
         self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.tmp: str | None = None
         self._specs: dict[str, tuple[list[str], dict[str, str] | None]] = {}
@@ -86,8 +100,34 @@ class Stack:
         self._specs[name] = (argv, env)
         # Own process group: a terminal's Ctrl-C reaches the launcher only, which
         # then stops the children in order (Redis last).
-        proc = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent, start_new_session=True)
+        out = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_path(name), "ab")  # noqa: SIM115 (the child holds it)
+        try:
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                preexec_fn=_die_with_parent,
+                start_new_session=True,
+            )
+        finally:
+            if out is not None:
+                out.close()
         self.children.append((name, proc))
+
+    def log_path(self, name: str) -> Path | None:
+        """Where the child ``name`` writes its output (None: the terminal)."""
+        return None if self.log_dir is None else self.log_dir / f"{name}.log"
+
+    def exited(self) -> tuple[str, int] | None:
+        """The first child that has exited, with its status, or None."""
+        for name, proc in self.children:
+            if proc.poll() is not None:
+                return name, proc.returncode
+        return None
 
     def start(self) -> None:
         if not self.settings.redis_url:
@@ -145,9 +185,9 @@ class Stack:
                 client.close()
 
     def _check_children(self) -> None:
-        for name, proc in self.children:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with status {proc.returncode}")
+        dead = self.exited()
+        if dead is not None:
+            raise RuntimeError(f"{dead[0]} {exit_status(dead[1])}")
 
     def wait_healthy(self, timeout: float = 300.0) -> None:
         """Wait until /healthz answers and every worker has checked in."""
@@ -176,7 +216,7 @@ class Stack:
                 code = proc.poll()
                 if code is None:
                     continue
-                print(f"parkq: {name} exited with status {code}", file=sys.stderr)
+                print(f"parkq: {name} {exit_status(code)}", file=sys.stderr)
                 if not name.startswith("worker"):
                     return code or 1
                 now = time.monotonic()

@@ -72,6 +72,7 @@ ERRORS = {
     "401": "Missing or invalid API key (when keys are set)",
     "404": "No such object",
     "413": "Body over the size limit",
+    "503": "The live workers serve another model than this server's (code model_mismatch)",
 }
 
 
@@ -121,7 +122,7 @@ def _generation(model: type[BaseModel], summary: str) -> dict[str, Any]:
     return {
         "summary": summary,
         "requestBody": _body(model),
-        "responses": _responses(ok, "409", "413", "500", **{"429": too_many}),
+        "responses": _responses(ok, "409", "413", "500", "503", **{"429": too_many}),
     }
 
 
@@ -143,7 +144,10 @@ def spec(secured: bool = False) -> dict[str, Any]:
         "/v1/chat/completions": {"post": _generation(ChatRequest, "Chat completion")},
         "/v1/completions": {"post": _generation(CompletionRequest, "Text completion")},
         "/v1/models": {
-            "get": {"summary": "The served model", "responses": _responses(_json(LIST))}
+            "get": {
+                "summary": "This server's model, then any other model a live worker serves",
+                "responses": _responses(_json(LIST)),
+            }
         },
         "/v1/tokenize": {
             "post": {
@@ -251,7 +255,7 @@ def spec(secured: bool = False) -> dict[str, Any]:
             "post": {
                 "summary": "Create a batch",
                 "requestBody": _body(BatchCreate),
-                "responses": _responses(_json(BATCH), "404", "413"),
+                "responses": _responses(_json(BATCH), "404", "413", "503"),
             },
             "get": {
                 "summary": "Batches, newest first",
@@ -282,11 +286,21 @@ def spec(secured: bool = False) -> dict[str, Any]:
         },
         "/healthz": {
             "get": {
-                "summary": "Redis reachable and workers alive",
+                "summary": "Redis reachable and workers serving this server's model alive",
                 "security": [],
                 "responses": {
-                    "200": _json(_obj("status", "redis", "workers", status=STR)),
-                    "503": _json(_obj("status", "redis", "workers", status=STR), "Unavailable"),
+                    "200": _json(_obj("status", "redis", "workers", status={"const": "ok"})),
+                    "503": _json(
+                        _obj(
+                            "status",
+                            "redis",
+                            "workers",
+                            status={"enum": ["unavailable", "model_mismatch"]},
+                            other_models={"type": "array", "items": STR},
+                        ),
+                        "Unavailable: Redis down, no live worker, or only workers serving another "
+                        "model (other_models)",
+                    ),
                     "414": URI_TOO_LONG,
                 },
             }

@@ -6,11 +6,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import redis
+
+from jobs.identity import ModelIdentity
 from jobs.rqjobs import RQBridge
 from jobs.store import Store
 from scheduler.settings import Settings
 
-__all__ = ["Runtime", "VocabLike"]
+__all__ = ["Fleet", "Runtime", "VocabLike"]
+
+#: How long the web trusts its last read of what the workers serve.
+FLEET_SECONDS = 1.0
 
 
 class VocabLike(Protocol):
@@ -26,6 +32,19 @@ class VocabLike(Protocol):
     ) -> tuple[str, list[str]]: ...
 
 
+@dataclass(frozen=True)
+class Fleet:
+    """The live workers at one moment, split by whether they serve our model."""
+
+    matching: dict[str, ModelIdentity | None]
+    others: dict[str, ModelIdentity]
+
+    @property
+    def mismatch(self) -> bool:
+        """Workers are up, and none of them can run the jobs we make."""
+        return bool(self.others) and not self.matching
+
+
 @dataclass
 class Runtime:
     settings: Settings
@@ -33,8 +52,35 @@ class Runtime:
     rq: RQBridge
     vocab: VocabLike
     model_name: str
+    #: The model the vocabulary came from (None when a test passes a vocabulary).
+    identity: ModelIdentity | None = None
     started: int = field(default_factory=lambda: int(time.time()))
+    _fleet: tuple[float, Fleet] | None = field(default=None, repr=False)
+
+    def fleet(self, fresh: bool = False) -> Fleet:
+        """What the live workers serve (on the request path, read at most once a second)."""
+        now = time.time()
+        cached = self._fleet
+        if not fresh and cached is not None and now - cached[0] < FLEET_SECONDS:
+            return cached[1]
+        matching: dict[str, ModelIdentity | None] = {}
+        others: dict[str, ModelIdentity] = {}
+        for worker, model in self.store.worker_models(now).items():
+            if model is None or self.identity is None or model.digest == self.identity.digest:
+                matching[worker] = model
+            else:
+                others[worker] = model
+        fleet = Fleet(matching, others)
+        self._fleet = (now, fleet)
+        return fleet
 
     @property
     def n_ctx(self) -> int:
-        return self.settings.n_ctx or self.vocab.n_ctx_train
+        """The context a request may fill: ours, or the smallest a matching worker has."""
+        own = self.settings.n_ctx or self.vocab.n_ctx_train
+        try:
+            fleet = self.fleet()
+        except redis.RedisError:
+            return own  # the request fails at the queue, with the right error
+        sizes = [m.n_ctx for m in fleet.matching.values() if m is not None]
+        return min(sizes) if sizes else own

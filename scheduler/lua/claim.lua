@@ -2,7 +2,10 @@
 -- KEYS: queue zset, worker hash, running zset, workers zset
 -- ARGV: job key prefix, worker name, now, claimable states (comma separated),
 --       affinity seconds, how many queue entries to consider, '1' if the
---       worker never parks (then no one asks it to)
+--       worker never parks (then no one asks it to), the digest of the
+--       worker's model ('' for any)
+-- A job stamped with another model's digest is left for a worker serving that
+-- model: its token ids mean nothing to this one.
 -- A parked job whose checkpoint lives on another live worker is left to that
 -- worker for `affinity seconds` after it was parked; then anyone may take it.
 -- Returns {id, execution token, previous state} or false when nothing fits.
@@ -17,7 +20,10 @@ for _, id in ipairs(top) do
     redis.call('ZREM', KEYS[1], id)  -- stale entry: the job ended meanwhile
   else
     local mine = true
-    if state == 'parked' then
+    local wants = redis.call('HGET', job, 'model_digest')
+    if ARGV[8] ~= '' and wants and wants ~= ARGV[8] then
+      mine = false
+    elseif state == 'parked' then
       local holder = redis.call('HGET', job, 'ckpt_worker')
       local parked_at = tonumber(redis.call('HGET', job, 'parked_at') or '0')
       if holder and holder ~= ARGV[2] and now - parked_at < affinity then

@@ -1,7 +1,10 @@
+import fakeredis
 import pytest
 
 from jobs.events import DONE
+from jobs.identity import ModelIdentity
 from jobs.store import Fenced, Store
+from scheduler.settings import Settings
 from scheduler.state import JobState
 
 
@@ -84,3 +87,41 @@ def test_finish_sets_terminal_state_and_last_events(store: Store) -> None:
     rec = store.get("a")
     assert rec is not None and rec["state"] == "finished" and rec["finish_reason"] == "stop"
     assert store.events_after("a", 0) == [(1, DONE)]
+
+
+def _model(name: str, digest: str) -> ModelIdentity:
+    return ModelIdentity(name, digest * 64, 2048, 600, "v" * 64)
+
+
+def test_a_job_is_claimed_only_by_a_worker_serving_its_model(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    web_a = Store(fake_redis, settings, _model("a", "a"))
+    web_b = Store(fake_redis, settings, _model("b", "b"))
+    worker_a = Store(fake_redis, settings, _model("a", "a"))
+    _enqueue(web_a, "for-a", 10, 1.0)  # the best job, but not for model b
+    _enqueue(web_b, "for-b", 0, 2.0)
+    claim = Store(fake_redis, settings, _model("b", "b")).claim("wb", 5.0)
+    assert claim is not None and claim.job_id == "for-b"
+    assert Store(fake_redis, settings, _model("b", "b")).claim("wb", 6.0) is None
+    rec = web_a.get("for-a")
+    assert rec is not None and rec["state"] == "queued"  # left for a worker serving a
+    claim = worker_a.claim("wa", 7.0)
+    assert claim is not None and claim.job_id == "for-a"
+
+
+def test_preemption_considers_only_workers_serving_the_jobs_model(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    worker_b = Store(fake_redis, settings, _model("b", "b"))
+    worker_b.heartbeat("wb", now=1.0, ttl=1000)
+    _enqueue(worker_b, "long-b", 0, 1.0)
+    assert worker_b.claim("wb", 2.0) is not None
+    web_a = Store(fake_redis, settings, _model("a", "a"))
+    _enqueue(web_a, "urgent-a", 10, 500.0)
+    # wb runs the lowest-key job, long past its minimum run time, but it could
+    # not run the waiting job: parking it would only cost it work.
+    assert web_a.maybe_preempt(500.0) is None
+    web_b = Store(fake_redis, settings, _model("b", "b"))
+    _enqueue(web_b, "urgent-b", 10, 500.0)
+    assert web_b.maybe_preempt(500.0) == "wb"
