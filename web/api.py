@@ -193,11 +193,15 @@ def _submit(prefix: str, gen: GenerationRequest, level: int) -> str:
 
 def _stream(job_id: str, after: int) -> Response:
     runtime = rt()
+    sock = request.environ.get("gunicorn.socket")  # to notice a client that left
 
     def generate() -> Iterator[bytes]:
         # A first comment sends the headers at once, even while the job waits.
         yield f": parkq job {job_id}\n\n".encode()
-        for item in sse.events(runtime.store, job_id, after, runtime.settings.keepalive_seconds):
+        keepalive = runtime.settings.keepalive_seconds
+        for item in sse.events(
+            runtime.store, job_id, after, keepalive, lambda: sse.client_gone(sock)
+        ):
             yield sse.KEEPALIVE if item is None else sse.frame(*item)
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Job-Id": job_id}

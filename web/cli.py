@@ -69,6 +69,15 @@ def preflight(settings: Settings) -> None:
         raise click.ClickException(f"cannot read the model file {model}: {exc.strerror}") from None
     if magic != b"GGUF":
         raise click.ClickException(f"{model} is not a GGUF model file (llama.cpp needs GGUF)")
+    from jobs.engine import Vocab
+
+    try:
+        Vocab(str(path))  # the chat format is checked where it is used
+    except ValueError as exc:
+        raise click.ClickException(
+            f"llama.cpp cannot load {model} ({exc}): is the file complete, and is its "
+            "architecture one this llama.cpp build knows?"
+        ) from None
     if settings.redis_url:
         check_redis(settings.redis_url)
 
@@ -85,6 +94,11 @@ def check_redis(url: str) -> None:
     try:
         client.ping()
     except redis.AuthenticationError:
+        if "@" not in url.split("//", 1)[-1].split("/", 1)[0]:
+            raise click.ClickException(
+                f"Redis at {shown} needs a password: give it in the URL "
+                "(redis://:PASSWORD@host:port/0)"
+            ) from None
         raise click.ClickException(
             f"Redis at {shown} refused the credentials: check the password (and user) in "
             "--redis-url or PARKQ_REDIS_URL"
@@ -474,21 +488,23 @@ def _bar(total: int, skipped: int) -> Any:
 @_model_opt
 @click.option("--tiny", is_flag=True, help="Use the tiny generated test model (fast, for CI).")
 @click.option("--workers", type=int, default=1, show_default=True, help="Workers to start.")
-@click.option("--rate", type=float, default=0.1, show_default=True,
-              help="Interactive requests per second (Poisson).")  # fmt: skip
+@click.option("--rate", type=float,
+              help="Interactive requests per second (Poisson) [0.1; --tiny 2].")  # fmt: skip
 @click.option("--batch-clients", type=int, default=2, show_default=True,
               help="Clients each keeping one batch job running.")  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the report as JSON here.")  # fmt: skip
 def soak(duration: str, url: str | None, api_key: str | None, model: str | None,
-         tiny: bool, workers: int, rate: float, batch_clients: int, seed: int,
+         tiny: bool, workers: int, rate: float | None, batch_clients: int, seed: int,
          out: Path | None) -> None:  # fmt: skip
     """Run a mixed workload for a while; exit 1 on any unexpected error or lost job.
 
     Interactive and batch requests (greedy, drawn from a small set, so a
     repeated request must give the same text), cancellations, readers that
-    reconnect with Last-Event-ID, and the preemptions all this causes.
+    reconnect with Last-Event-ID, and the preemptions all this causes. A run
+    that went through no preemption, no reconnect or no interactive completion
+    proves little: it says so and exits 2.
     """
     import json
     import tempfile
@@ -503,7 +519,7 @@ def soak(duration: str, url: str | None, api_key: str | None, model: str | None,
     lengths = {"interactive_tokens": (8, 16, 24), "batch_tokens": (200, 400, 600)} if tiny else {}
     plan = SoakPlan(
         duration=seconds,
-        interactive_rate=rate,
+        interactive_rate=rate if rate is not None else 2.0 if tiny else 0.1,
         batch_clients=batch_clients,
         seed=seed,
         **lengths,  # type: ignore[arg-type]
@@ -531,6 +547,13 @@ def soak(duration: str, url: str | None, api_key: str | None, model: str | None,
         for message in report.errors:
             click.echo(f"  error: {message}", err=True)
         sys.exit(1)
+    if report.unexercised:
+        click.echo(
+            f"parkq soak: inconclusive: {', '.join(report.unexercised)} "
+            "(raise --rate or --duration)",
+            err=True,
+        )
+        sys.exit(2)
 
 
 def _soak_table(report: Any) -> list[str]:
@@ -555,7 +578,8 @@ def _soak_table(report: Any) -> list[str]:
         rows.append((f"TTFT {priority} p50 / p95", f"{q['p50']} / {q['p95']} ms (n={q['n']})"))
     rows.append(("worker memory start / end", f"{mem(report.worker_rss_start)} / "
                  f"{mem(report.worker_rss_end)}"))  # fmt: skip
-    rows.append(("result", "OK" if report.ok else "FAILED"))
+    result = "FAILED" if not report.ok else "INCONCLUSIVE" if report.unexercised else "OK"
+    rows.append(("result", result))
     return [f"{name:<28} {value}" for name, value in rows]
 
 

@@ -26,7 +26,8 @@ DIM, BOLD, RESET = "\033[2m", "\033[1m", "\033[0m"
 #: How long the long job should run at the measured speed: the question comes
 #: after about one second, and the long job must still be running then.
 LONG_JOB_SECONDS = 10.0
-#: When the question arrives, measured from the long job's first token.
+#: When the question arrives, measured from the long job's first token (sooner
+#: when the long job is shorter: a context too small for ten seconds' output).
 QUESTION_AFTER_SECONDS = 1.0
 
 
@@ -124,7 +125,8 @@ def run_demo(
     thread.start()
     if not long_started.wait(timeout=120) or failure:
         raise DemoFailed(f"the long job did not start: {failure[0] if failure else 'timeout'}")
-    time.sleep(max(0.0, out["long_first"] + QUESTION_AFTER_SECONDS - time.monotonic()))
+    after = min(QUESTION_AFTER_SECONDS, max(0.2, n_long / speed / 4))
+    time.sleep(max(0.0, out["long_first"] + after - time.monotonic()))
     rate = out["long_tokens"] / max(1e-6, time.monotonic() - out["long_first"])
     left = n_long - out["long_tokens"]
     still_running = _job(base_url, out["long_id"])["state"] in ("running", "queued", "parked")

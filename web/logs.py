@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 
-__all__ = ["configure_logging"]
+__all__ = ["configure_logging", "formatter"]
 
 
 class _JsonFormatter(logging.Formatter):
@@ -22,14 +22,16 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+def formatter(fmt: str) -> logging.Formatter:
+    """parkq's log line format: ``json`` (one object per line) or ``text``."""
+    if fmt == "json":
+        return _JsonFormatter()
+    return logging.Formatter("%(asctime)s %(levelname)s %(name)s %(process)d: %(message)s")
+
+
 def configure_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s %(process)d: %(message)s")
-        )
+    handler.setFormatter(formatter(fmt))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -101,6 +101,18 @@ class CompletionRequest(_Common):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        several = isinstance(v, list) and len(v) > 1 and isinstance(v[0], str)
+        nested = isinstance(v, list) and bool(v) and isinstance(v[0], list)
+        if several or nested:
+            raise ValueError(
+                f"{len(v)} prompts were given; one prompt per request is supported "
+                "(send one request per prompt, or use the Batch API)"
+            )
+        return v
+
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, v: bool) -> bool:

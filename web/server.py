@@ -4,11 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
+from gunicorn import glogging
 from gunicorn.app.base import BaseApplication
 
 from scheduler.settings import Settings
+from web.logs import formatter
 
 __all__ = ["serve"]
+
+
+class _Logger(glogging.Logger):  # type: ignore[misc]
+    """gunicorn's own lines in parkq's format (PARKQ_LOG_FORMAT), like every other line."""
+
+    log_format = "text"
+
+    def setup(self, cfg: Any) -> None:
+        super().setup(cfg)
+        for log in (self.error_log, self.access_log):
+            for handler in log.handlers:
+                handler.setFormatter(formatter(self.log_format))
 
 
 class _Gunicorn(BaseApplication):  # type: ignore[misc]
@@ -29,6 +43,7 @@ class _Gunicorn(BaseApplication):  # type: ignore[misc]
             "loglevel": s.log_level.lower(),
             "accesslog": None,
             "control_socket_disable": True,
+            "logger_class": type("_ParkqLogger", (_Logger,), {"log_format": s.log_format}),
         }
         for key, value in options.items():
             self.cfg.set(key, value)

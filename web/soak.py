@@ -84,8 +84,20 @@ class SoakReport:
     def ok(self) -> bool:
         return self.unexpected_errors == 0 and self.lost == 0
 
+    @property
+    def unexercised(self) -> list[str]:
+        """What a soak promises to go through but this run never did."""
+        missing = []
+        if not (self.ttft_ms.get("interactive") or {}).get("n"):
+            missing.append("no interactive request completed")
+        if not self.preemptions:
+            missing.append("nothing was parked")
+        if not self.reconnects:
+            missing.append("no reader reconnected")
+        return missing
+
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
+        return {**asdict(self), "ok": self.ok, "unexercised": self.unexercised}
 
 
 class _Run:

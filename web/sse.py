@@ -8,15 +8,17 @@ filled from the stream, so every event reaches the reader once, in order.
 
 from __future__ import annotations
 
+import select
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import redis
 
 from jobs.events import DONE
 from jobs.store import Store
 
-__all__ = ["KEEPALIVE", "events", "frame"]
+__all__ = ["KEEPALIVE", "client_gone", "events", "frame"]
 
 KEEPALIVE = b": keepalive\n\n"
 
@@ -26,12 +28,41 @@ def frame(seq: int, data: str) -> bytes:
     return f"id: {seq}\ndata: {data}\n\n".encode()
 
 
+#: How often an idle stream checks that its client is still connected.
+GONE_CHECK_SECONDS = 0.5
+
+
+def client_gone(sock: socket.socket | None) -> bool:
+    """Whether the peer of ``sock`` has closed the connection (no write needed).
+
+    A client that leaves while its job waits in the queue sends nothing more;
+    without this check the server would notice only when a keep-alive write
+    fails, up to two keep-alive periods later.
+    """
+    if sock is None:
+        return False
+    try:
+        ready, _, _ = select.select([sock], [], [], 0)
+        if not ready:
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, ValueError):  # ValueError: a TLS socket cannot peek
+        return False
+    except OSError:
+        return True
+
+
 def events(
-    store: Store, job_id: str, after: int, keepalive: float
+    store: Store,
+    job_id: str,
+    after: int,
+    keepalive: float,
+    gone: Callable[[], bool] | None = None,
 ) -> Iterator[tuple[int, str] | None]:
     """Yield ``(seq, data)`` for every event after ``after``; ``None`` when idle.
 
-    Ends after the ``[DONE]`` event. ``None`` comes at least every
+    Ends after the ``[DONE]`` event, or when ``gone()`` says the client left
+    (checked while idle, every GONE_CHECK_SECONDS). ``None`` comes at least every
     ``keepalive`` seconds while nothing happens, so the caller can keep the
     connection alive.
     """
@@ -52,8 +83,10 @@ def events(
                 if left <= 0:
                     yield None
                     break
+                if gone is not None and gone():
+                    return
                 try:
-                    msg = pubsub.get_message(timeout=left)
+                    msg = pubsub.get_message(timeout=min(left, GONE_CHECK_SECONDS))
                 except redis.ConnectionError:
                     time.sleep(min(1.0, left))
                     break

@@ -108,3 +108,66 @@ def test_api_keys_with_the_openai_client(tiny_model: Path) -> None:
         assert requests.get(base + "/healthz", timeout=10).status_code == 200
     finally:
         assert stop_parkq(proc) == 0
+
+
+def _one_line_error(argv: list[str], tmp_path: Path) -> str:
+    """Run ``parkq`` expecting a startup refusal; its one line of error output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARKQ_")}
+    run = subprocess.run(
+        [*PARKQ, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**env, "PARKQ_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, run.stderr
+    assert "Traceback" not in run.stderr + run.stdout
+    return lines[0]
+
+
+def test_startup_mistakes_get_one_line_saying_what_to_fix(
+    tiny_model: Path, tmp_path: Path, redis_server
+) -> None:
+    line = _one_line_error(["up", "--model", "/nonexistent.gguf"], tmp_path)
+    assert "no model file at /nonexistent.gguf" in line
+    (tmp_path / "notes.gguf").write_text("not a model")
+    line = _one_line_error(["up", "--model", str(tmp_path / "notes.gguf")], tmp_path)
+    assert "is not a GGUF model file" in line
+    (tmp_path / "cut.gguf").write_bytes(tiny_model.read_bytes()[:5000])
+    line = _one_line_error(["up", "--model", str(tmp_path / "cut.gguf")], tmp_path)
+    assert "llama.cpp cannot load" in line
+    for cmd in (["up"], ["web"], ["worker"]):
+        argv = [*cmd, "--model", str(tiny_model), "--redis-url", "redis://127.0.0.1:1/0"]
+        line = _one_line_error(argv, tmp_path)
+        assert "cannot reach Redis at redis://127.0.0.1:1/0" in line
+
+
+def test_a_wrong_redis_password_is_one_line_and_never_printed(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    from tests.conftest import RedisServer
+
+    server = RedisServer(tmp_path / "redis")
+    server.start("--requirepass", "right-secret")
+    try:
+        port = server.url.rsplit(":", 1)[1].split("/")[0]
+        wrong = f"redis://:wrong-secret@127.0.0.1:{port}/0"
+        line = _one_line_error(["up", "--model", str(tiny_model), "--redis-url", wrong], tmp_path)
+        assert "refused the credentials" in line and "wrong-secret" not in line
+        bare = f"redis://127.0.0.1:{port}/0"
+        line = _one_line_error(["up", "--model", str(tiny_model), "--redis-url", bare], tmp_path)
+        assert "needs a password" in line
+        right = f"redis://:right-secret@127.0.0.1:{port}/0"
+        argv = [*PARKQ, "up", "--model", str(tiny_model), "--port", "0", "--redis-url", right]
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as proc:
+            assert proc.stdout is not None
+            up = proc.stdout.readline()
+            proc.terminate()
+            proc.wait(timeout=60)
+        assert up.startswith("parkq is up at ") and "redis redis://:***@127.0.0.1" in up
+        assert "right-secret" not in up
+    finally:
+        server.stop()

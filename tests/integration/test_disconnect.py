@@ -54,3 +54,28 @@ def test_a_batch_job_runs_on_without_a_client(server: Server) -> None:
     resp.close()
     wait_until(lambda: job(server.base_url, job_id)["state"] == "finished", timeout=60)
     assert job(server.base_url, job_id)["tokens"] == 1500
+
+
+def test_a_client_that_leaves_a_queued_job_is_noticed_and_the_job_never_runs(
+    server: Server,
+) -> None:
+    # A job above every interactive one holds the only worker, so the next waits.
+    blocker = submit_stream(server.base_url, {**LONG, "priority": 1000, "max_tokens": 3000})
+    blocker_id = blocker.headers["X-Job-Id"]
+    wait_until(lambda: job(server.base_url, blocker_id)["state"] == "running")
+    resp = submit_stream(server.base_url, {**LONG, "priority": "interactive", "max_tokens": 50})
+    job_id = resp.headers["X-Job-Id"]
+    assert job(server.base_url, job_id)["state"] == "queued"
+    resp.close()  # only the headers and the first comment were read
+    left = time.monotonic()
+    key = f"{{parkq}}:job:{job_id}"
+    # Noticed without a keep-alive write (15 s apart by default): within seconds.
+    wait_until(lambda: server.redis.hget(key, "detached_at") is not None, timeout=10)
+    noticed = time.monotonic() - left
+    time.sleep(max(0.0, 1.5 - noticed))  # past the grace (1 s here) before it can run
+    requests.delete(f"{server.base_url}/v1/jobs/{blocker_id}", timeout=10)
+    blocker.close()
+    wait_until(lambda: job(server.base_url, job_id)["state"] == "cancelled", timeout=60)
+    status = job(server.base_url, job_id)
+    assert status["finish_reason"] == "client_gone" and status["tokens"] == 0
+    print(f"\ndisconnect while queued: noticed after {noticed:.2f} s")

@@ -56,6 +56,19 @@ def test_n_above_one_says_why(client: FlaskClient) -> None:
     assert "only n=1 is supported" in _error(resp)["message"]
 
 
+def test_several_prompts_are_refused_by_name(client: FlaskClient, store) -> None:
+    for prompt in (["one", "two"], [[1, 2], [3, 4]]):
+        resp = client.post("/v1/completions", json={"prompt": prompt})
+        assert resp.status_code == 400
+        err = _error(resp)
+        assert err["param"] == "prompt"
+        assert "one prompt per request is supported" in err["message"]
+    one = client.post("/v1/completions", json={"prompt": ["one"], "max_tokens": 1, "stream": True})
+    assert one.status_code == 200
+    one.close()
+    assert store.r.zcard(store.keys.queue) == 1  # only the valid one was queued
+
+
 def test_malformed_json_and_invalid_utf8(client: FlaskClient) -> None:
     for data in (b"{not json", b'{"prompt": "\xff\xfe"}', b"[1, 2]"):
         resp = client.post("/v1/completions", data=data, content_type="application/json")

@@ -6,6 +6,7 @@ import io
 import json
 import logging
 
+from scheduler.settings import Settings
 from web.logs import configure_logging
 
 
@@ -23,3 +24,17 @@ def test_json_log_lines_carry_the_job_id(monkeypatch) -> None:
     entry = json.loads(stream.getvalue().strip())
     assert entry["msg"] == "job cmpl-1: parked after 12 tokens"
     assert entry["level"] == "info" and entry["logger"] == "jobs.worker"
+
+
+def test_gunicorns_own_lines_follow_the_log_format(monkeypatch) -> None:
+    from web.server import _Gunicorn
+
+    stream = io.StringIO()
+    monkeypatch.setattr("sys.stderr", stream)
+    settings = Settings(log_format="json", port=0)
+    app = _Gunicorn(settings)
+    logger = app.cfg.logger_class(app.cfg)
+    logger.info("Listening at: %s", "http://127.0.0.1:0")
+    entry = json.loads(stream.getvalue().strip().splitlines()[-1])
+    assert entry["logger"] == "gunicorn.error"
+    assert entry["msg"] == "Listening at: http://127.0.0.1:0"
