@@ -104,6 +104,15 @@ class Settings(BaseSettings):
         10.0, gt=0, description="A worker whose heartbeat is older than this is dead."
     )
     heartbeat_seconds: float = Field(2.0, gt=0, description="Worker heartbeat period.")
+    write_interval_seconds: float = Field(
+        0.005,
+        ge=0,
+        description=(
+            "A worker writes each decoding step's tokens to Redis and reads the job's flags "
+            "(cancel, park) in the same round trip; when steps are faster than this (tiny "
+            "models) it gathers the tokens of that long into one write. 0: every step."
+        ),
+    )
     batch_max_file_bytes: int = Field(
         100 * 1024 * 1024,
         ge=1,

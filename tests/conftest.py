@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -13,6 +14,13 @@ import redis
 
 from jobs.testmodel import write_test_model
 from web.launcher import embedded_redis_server, free_port
+
+# Every parkq process the tests start runs llama.cpp on one thread. The tiny
+# model gains nothing from a second one, and on a busy machine llama.cpp's
+# threads, which meet at a barrier after every operation, wait for each other's
+# time slices: measured here under a busy loop per core, a 2,000-token job went
+# through the pipeline at 12 tok/s with two threads and at 2,200 with one.
+os.environ.setdefault("PARKQ_N_THREADS", "1")
 
 
 def _redis_binary() -> str:

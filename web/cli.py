@@ -218,6 +218,8 @@ def web(host: str | None, port: int | None, redis_url: str | None, model: str | 
 @_preempt_opt
 def worker(redis_url: str | None, model: str | None, name: str | None, no_preempt: bool) -> None:
     """Run one worker: loads the model once and serves jobs one at a time."""
+    import faulthandler
+
     import redis
 
     from jobs.engine import LlamaEngine
@@ -235,6 +237,7 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
         )
     )
     configure_logging(settings.log_level, settings.log_format)
+    faulthandler.enable()  # a crash inside llama.cpp leaves the Python stack in the log
     if not settings.redis_url:
         raise click.ClickException("--redis-url (or PARKQ_REDIS_URL) is required")
     preflight(settings)

@@ -19,7 +19,7 @@ CLI = [sys.executable, "-m", "web.cli"]
 
 def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARKQ_")}
-    return {**env, "PARKQ_CACHE_DIR": str(tmp_path / "cache"), "NO_COLOR": "1"}
+    return {**env, "PARKQ_CACHE_DIR": str(tmp_path / "cache"), "PARKQ_N_THREADS": "1"}
 
 
 def test_the_demo_parks_the_long_job_and_claims_only_what_it_showed(

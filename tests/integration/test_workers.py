@@ -57,6 +57,8 @@ class Cluster:
         self.start(name, ["worker", "--name", name], env)
 
     def workers_alive(self) -> int:
+        dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+        assert not dead, f"processes exited unexpectedly: {dead}"
         try:
             return int(requests.get(self.base_url + "/healthz", timeout=5).json()["workers"])
         except requests.RequestException:

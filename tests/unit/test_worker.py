@@ -211,3 +211,41 @@ def test_a_job_whose_rq_function_is_not_parkqs_is_refused(
     assert rogue_rec["state"] == "failed" and rogue_rec["tokens"] == "0"
     assert json.loads(store.events_after("rogue", 0)[0][1])["error"]["code"] == "invalid_job"
     assert good["state"] == "finished"
+
+
+def _writes_for(
+    fake_redis: fakeredis.FakeRedis, settings: Settings, interval: float
+) -> tuple[int, list[str]]:
+    """Run a 40-token job: the number of step writes it took, and its events."""
+    settings = settings.model_copy(update={"write_interval_seconds": interval})
+    store = Store(fake_redis, settings)
+    worker = Worker(settings, FakeEngine(), fake_redis, name=f"w-{int(interval)}")
+    writes = []
+    step = worker.store.step
+    worker.store.step = lambda *a, **kw: writes.append(a) or step(*a, **kw)  # type: ignore[method-assign]
+    job_id = f"job-{int(interval)}"
+    req = GenerationRequest("completion", "fake", list(b"go"), 40, SamplingParams(temperature=0))
+    RQBridge(fake_redis, settings.queue_name, settings.result_ttl).create(job_id, "test")
+    store.enqueue(job_id, "completion", req.to_json(), 10, time.time())
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        rec = _wait_state(store, job_id, {"finished", "failed"})
+    finally:
+        worker.stop()
+        thread.join(timeout=10)
+    assert rec["state"] == "finished" and rec["tokens"] == "40"
+    events = store.events_after(job_id, 0)
+    assert [seq for seq, _ in events] == list(range(1, len(events) + 1))
+    assert events[-1][1] == "[DONE]"
+    return len(writes), [data.replace(job_id, "JOB") for _, data in events]
+
+
+def test_fast_steps_share_writes_and_every_event_arrives_once(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    every_step, events = _writes_for(fake_redis, settings, 0.0)
+    gathered, same = _writes_for(fake_redis, settings, 60.0)
+    assert every_step >= 20  # about one write per step (a step may hold no event yet)
+    assert gathered == 1  # the first event at once, the rest with the end
+    assert same == events
