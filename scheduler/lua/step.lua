@@ -20,10 +20,13 @@ if new_tokens > 0 then
   redis.call('HINCRBY', KEYS[5], 'tokens', new_tokens)
 end
 redis.call('HSET', KEYS[1], 'tokens', ARGV[3])
-if ARGV[5] ~= '' then
-  redis.call('HINCRBY', KEYS[6], ARGV[5], 1)
-  redis.call('HINCRBY', KEYS[6], 'count', 1)
-  redis.call('HINCRBYFLOAT', KEYS[6], 'sum', ARGV[6])
+-- A write that gathers several fast steps observes each of its events at the
+-- mean gap (ARGV[6] is per event).
+local n = #ARGV - 6
+if ARGV[5] ~= '' and n > 0 then
+  redis.call('HINCRBY', KEYS[6], ARGV[5], n)
+  redis.call('HINCRBY', KEYS[6], 'count', n)
+  redis.call('HINCRBYFLOAT', KEYS[6], 'sum', tonumber(ARGV[6]) * n)
 end
 local flags = 0
 if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then

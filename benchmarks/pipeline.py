@@ -1,0 +1,100 @@
+"""One long job through the whole pipeline, beside the bare decode loop.
+
+    python -m benchmarks.pipeline [--model PATH] [--tokens 2000] [--runs 3] [--threads N]
+    ../shared/tools/under-load -- .venv/bin/python -m benchmarks.pipeline   # on a busy machine
+
+Starts `parkq up` (embedded Redis, web, one worker) on the model (default: the
+tiny test model), streams ``--tokens`` greedy tokens ``--runs`` times and
+times each from the request to ``[DONE]``; then times the bare
+llama-cpp-python loop (``eval([argmax(logits)])``) for as many steps. The gap
+between the two is what parkq's hops (worker → Redis → web → client) cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import requests
+
+from benchmarks import write_results
+from scheduler.settings import load_settings
+
+
+def _pipeline(base_url: str, tokens: int) -> dict[str, float]:
+    body = {"prompt": "hello", "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    t0 = time.monotonic()
+    first = None
+    with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                first = first or time.monotonic()
+    wall = time.monotonic() - t0
+    return {
+        "wall_s": round(wall, 3),
+        "tok_s": round(tokens / wall),
+        "ttft_ms": round(((first or t0) - t0) * 1000, 1),
+    }
+
+
+def _bare(model: str, tokens: int, threads: int | None) -> float:
+    from jobs.engine import LlamaEngine
+
+    engine = LlamaEngine(model, n_ctx=tokens + 64, n_batch=16, n_threads=threads)
+    ids = engine.tokenize("hello")
+    logits, pos = engine.eval(ids, 0), len(ids)
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        logits = engine.eval([int(np.argmax(logits))], pos)
+        pos += 1
+    return tokens / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="GGUF model (default: the tiny test model)")
+    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, help="llama.cpp threads (default: PARKQ_N_THREADS)")
+    ap.add_argument("--out", default="bench-results/pipeline.json")
+    args = ap.parse_args()
+
+    from jobs.testmodel import write_test_model
+    from web.launcher import Stack
+
+    model = args.model or str(write_test_model(Path(tempfile.mkdtemp()) / "tiny.gguf"))
+    overrides: dict[str, Any] = {"model": model, "port": 0, "log_level": "WARNING",
+                                 "n_ctx": args.tokens + 64}  # fmt: skip
+    if args.threads:
+        overrides["n_threads"] = args.threads
+    settings = load_settings(**overrides)
+    runs = []
+    with Stack(settings) as stack:
+        for n in range(args.runs):
+            runs.append(_pipeline(stack.base_url, args.tokens))
+            print(f"pipeline run {n}: {runs[-1]}", flush=True)
+    bare = _bare(model, args.tokens, settings.n_threads)
+    best = max(r["tok_s"] for r in runs)
+    print(f"pipeline best {best} tok/s; bare decode loop {bare:.0f} tok/s "
+          f"(pipeline/bare {best / bare:.2f})")  # fmt: skip
+    write_results(
+        args.out,
+        {
+            "model": model,
+            "tokens": args.tokens,
+            "threads": settings.n_threads,
+            "write_interval_seconds": settings.write_interval_seconds,
+            "pipeline": runs,
+            "bare_tok_s": round(bare),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
