@@ -306,6 +306,14 @@ class Store:
             p.hset(self.keys.worker(worker), mapping=fields)
             p.execute()
 
+    def expire_workers(self) -> int:
+        """Mark every known worker's heartbeat expired (they are known to be gone, as
+        after a restart of the whole stack); the next reap requeues their jobs."""
+        workers = self.r.zrange(self.keys.workers, 0, -1)
+        if workers:
+            self.r.zadd(self.keys.workers, dict.fromkeys(workers, 0))
+        return len(workers)
+
     def retire_worker(self, worker: str) -> bool:
         """Mark ``worker``'s liveness as expired, so the next :meth:`reap` requeues
         its jobs; whether it was registered."""

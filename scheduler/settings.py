@@ -7,6 +7,7 @@ command-line overrides, frozen, and passed down. Nothing else reads
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,7 +18,7 @@ from scheduler.keys import Keys
 from scheduler.policy import Policy
 from scheduler.preempt import PreemptPolicy
 
-__all__ = ["Settings", "cache_root", "load_settings"]
+__all__ = ["Settings", "cache_root", "data_root", "load_settings"]
 
 
 class Settings(BaseSettings):
@@ -36,6 +37,15 @@ class Settings(BaseSettings):
         "parkq", description="Prefix of every parkq key; it is also the Redis Cluster hash tag."
     )
     queue_name: str = Field("parkq", description="RQ queue name shown by `rq info`.")
+    data_dir: str | None = Field(
+        None,
+        description=(
+            "Where `parkq up`'s embedded Redis keeps its data (append-only file), so that "
+            "jobs, parked work, files and batches survive a restart; default "
+            "$XDG_DATA_HOME/parkq (~/.local/share/parkq). `parkq up --ephemeral` keeps "
+            "nothing."
+        ),
+    )
 
     # Model
     model: str | None = Field(
@@ -194,6 +204,14 @@ class Settings(BaseSettings):
     @property
     def preempt_policy(self) -> PreemptPolicy:
         return PreemptPolicy(margin=self.preempt_margin, min_run_seconds=self.min_run_seconds)
+
+
+def data_root(data_dir: str | None) -> Path:
+    """``data_dir`` (PARKQ_DATA_DIR), else $XDG_DATA_HOME/parkq or ~/.local/share/parkq."""
+    if data_dir:
+        return Path(data_dir).expanduser()
+    xdg = os.environ.get("XDG_DATA_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "parkq"
 
 
 def cache_root(cache_dir: str | None) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,8 @@ from web.launcher import embedded_redis_server, free_port
 # time slices: measured here under a busy loop per core, a 2,000-token job went
 # through the pipeline at 12 tok/s with two threads and at 2,200 with one.
 os.environ.setdefault("PARKQ_N_THREADS", "1")
+# `parkq up` keeps its data under $XDG_DATA_HOME/parkq: never the user's own.
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="parkq-test-data-")
 
 
 def _redis_binary() -> str:

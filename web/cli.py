@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from scheduler.settings import Settings, cache_root, load_settings
+from scheduler.settings import Settings, cache_root, data_root, load_settings
 from web.logs import configure_logging
 
 log = logging.getLogger(__name__)
@@ -149,10 +149,21 @@ _preempt_opt = click.option(
 @click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
 @_redis_opt
 @click.option("--chat-format", help="Named chat format (default: the model's template).")
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="The embedded Redis's data, kept across restarts (env PARKQ_DATA_DIR) "
+                   "[~/.local/share/parkq].")  # fmt: skip
+@click.option("--ephemeral", is_flag=True,
+              help="Keep nothing: the embedded Redis lives in a temporary directory.")  # fmt: skip
 @_preempt_opt
 def up(model: str | None, host: str | None, port: int | None, workers: int,
-       redis_url: str | None, chat_format: str | None, no_preempt: bool) -> None:  # fmt: skip
-    """Start Redis (embedded unless --redis-url), the web server and the workers."""
+       redis_url: str | None, chat_format: str | None, data_dir: Path | None,
+       ephemeral: bool, no_preempt: bool) -> None:  # fmt: skip
+    """Start Redis (embedded unless --redis-url), the web server and the workers.
+
+    The embedded Redis keeps its data in --data-dir: jobs queued, parked or
+    running at a stop (or a crash) resume after the next start, and clients
+    continue their streams with Last-Event-ID.
+    """
     from web.launcher import Stack
 
     settings = load_settings(
@@ -161,12 +172,16 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
         port=port,
         redis_url=redis_url,
         chat_format=chat_format,
+        data_dir=str(data_dir) if data_dir else None,
         preempt=False if no_preempt else None,
     )
     configure_logging(settings.log_level, settings.log_format)
     settings = _resolve_model(settings)
     preflight(settings)
-    stack = Stack(settings, workers=workers)
+    if ephemeral and data_dir:
+        raise click.UsageError("--ephemeral keeps nothing: leave out --data-dir")
+    keep = None if ephemeral or settings.redis_url else data_root(settings.data_dir)
+    stack = Stack(settings, workers=workers, data_dir=keep)
 
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -177,9 +192,10 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
         stack.start()
         stack.wait_healthy()
         s = stack.settings
+        redis_shown = redact(s.redis_url) + (f", data in {keep}" if keep else "")
         click.echo(
             f"parkq is up at {stack.base_url}  (model {Path(s.model or '').name}, "
-            f"{workers} worker{'s' if workers != 1 else ''}, redis {redact(s.redis_url)})"
+            f"{workers} worker{'s' if workers != 1 else ''}, redis {redis_shown})"
         )
         code = stack.wait()
     except KeyboardInterrupt:

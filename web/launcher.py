@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import os
 import shutil
 import signal
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 import requests
 
@@ -80,9 +82,20 @@ def settings_env(settings: Settings) -> dict[str, str]:
 class Stack:
     """Redis (when none is given), one web process and N workers."""
 
-    def __init__(self, settings: Settings, workers: int = 1, log_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        workers: int = 1,
+        log_dir: Path | None = None,
+        data_dir: Path | None = None,
+    ) -> None:
         self.settings = settings
         self.workers = workers
+        #: The embedded Redis's data directory (append-only file, kept across
+        #: restarts, one `parkq up` at a time); None: a temporary one, deleted
+        #: at stop.
+        self.data_dir = data_dir
+        self._lock: IO[str] | None = None
         #: When set, each child writes its output to ``<log_dir>/<name>.log``
         #: instead of the terminal.
         self.log_dir = log_dir
@@ -131,7 +144,14 @@ class Stack:
 
     def start(self) -> None:
         if not self.settings.redis_url:
-            self.tmp = tempfile.mkdtemp(prefix="parkq-redis-")
+            if self.data_dir is None:
+                self.tmp = tempfile.mkdtemp(prefix="parkq-redis-")
+                where, persist = self.tmp, ["--appendonly", "no"]
+            else:
+                self._take_data_dir(self.data_dir)
+                where = str(self.data_dir)
+                # AOF, fsync every second: a crash loses at most the last second.
+                persist = ["--appendonly", "yes", "--appendfsync", "everysec"]
             port = free_port()
             self._spawn(
                 "redis",
@@ -139,17 +159,19 @@ class Stack:
                     embedded_redis_server(),
                     "--port", str(port),
                     "--bind", "127.0.0.1",
-                    "--dir", self.tmp,
+                    "--dir", where,
                     "--save", "",
-                    "--appendonly", "no",
+                    *persist,
                     "--loglevel", "warning",
-                    "--logfile", os.path.join(self.tmp, "redis.log"),
+                    "--logfile", os.path.join(where, "redis.log"),
                 ],
             )  # fmt: skip
             self.settings = self.settings.model_copy(
                 update={"redis_url": f"redis://127.0.0.1:{port}/0"}
             )
             self._wait_redis()
+            if self.data_dir is not None:
+                self._take_over_previous_run()
         if self.settings.port == 0:
             self.settings = self.settings.model_copy(update={"port": free_port()})
         if self.settings.n_threads is None and self.workers > 1:
@@ -166,6 +188,44 @@ class Stack:
             if self.workers > 1 or not self.settings.worker_name:
                 wenv["PARKQ_WORKER_NAME"] = f"{socket.gethostname()}.worker{i}.{os.getpid()}"
             self._spawn(f"worker{i}", [*cli, "worker"], wenv)
+
+    def _take_data_dir(self, path: Path) -> None:
+        """Lock ``path`` for this `parkq up` (one at a time); RuntimeError if taken."""
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        lock = (path / "parkq.lock").open("a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            raise RuntimeError(
+                f"another parkq up ({holder}) is using the data directory {path}; stop it, "
+                "or give this one --data-dir DIR (or --ephemeral)"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}")
+        lock.flush()
+        self._lock = lock
+
+    def _take_over_previous_run(self) -> None:
+        """The previous run's workers are gone (we hold the lock): requeue their jobs now.
+
+        A graceful stop parked and requeued its jobs already; after a crash the
+        jobs still say `running` on workers that will never beat again. Their
+        heartbeats are expired here, so the first worker's reap requeues them
+        (to resume by replay) instead of after the worker TTL.
+        """
+        import redis
+
+        from jobs.store import Store
+
+        client = redis.Redis.from_url(self.settings.redis_url or "")
+        try:
+            Store(client, self.settings).expire_workers()
+        finally:
+            client.close()
 
     def _wait_redis(self, timeout: float = 20.0) -> None:
         import redis
@@ -247,6 +307,9 @@ class Stack:
                     proc.kill()
                     proc.wait()
         self.children.clear()
+        if self._lock is not None:
+            self._lock.close()  # releases the data directory
+            self._lock = None
         if self.tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None

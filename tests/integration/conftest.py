@@ -6,6 +6,7 @@ import os
 import select
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ def start_parkq(
     argv = [sys.executable, "-m", "web.cli", "up", "--model", str(model), "--port", str(port)]
     if redis_url:
         argv += ["--redis-url", redis_url]
+    elif "--data-dir" not in extra and "--ephemeral" not in extra:
+        argv += ["--data-dir", tempfile.mkdtemp(prefix="parkq-data-")]  # its own, kept
     full_env = {**os.environ, "PARKQ_LOG_LEVEL": "WARNING", **(env or {})}
     proc = subprocess.Popen([*argv, *extra], env=full_env, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None

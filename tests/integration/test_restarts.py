@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
+
+import requests
 
 from tests.integration.conftest import TEST_ENV, start_parkq, stop_parkq
 from tests.integration.helpers import (
@@ -23,6 +27,8 @@ from tests.integration.helpers import (
 )
 from tests.integration.test_parking import _long
 from tests.integration.test_workers import running_cluster
+
+CLI = [sys.executable, "-m", "web.cli"]
 
 
 def _children(pid: int) -> list[tuple[int, str]]:
@@ -84,5 +90,88 @@ def test_parkq_up_restarts_a_sigkilled_worker_and_keeps_serving(
             assert [i for i, _ in events] == list(range(1, len(events) + 1))
             assert job(base, job_id)["state"] == "finished"
         assert proc.poll() is None, "parkq up stopped"
+    finally:
+        stop_parkq(proc)
+
+
+def _events_from(base: str, job_id: str, after: int) -> list[tuple[int, str]]:
+    """The job's events after ``after``, read to the end (a reconnect with Last-Event-ID)."""
+    resp = requests.get(
+        f"{base}/v1/jobs/{job_id}/events",
+        headers={"Last-Event-ID": str(after)},
+        stream=True,
+        timeout=120,
+    )
+    assert resp.status_code == 200, resp.text
+    with resp:
+        return read_events(resp)
+
+
+def _restart_keeps_every_job(tiny_model: Path, tmp_path: Path, crash: bool) -> None:
+    data = tmp_path / "data"
+    body = _long(0.8, max_tokens=2500)
+    proc, base = start_parkq(tiny_model, None, "--data-dir", str(data), env=TEST_ENV)
+    try:
+        reference = read_events(submit_stream(base, body))
+        running = submit_stream(base, body)
+        queued = submit_stream(base, {**body, "priority": -5})  # waits behind the first
+        running_id, queued_id = running.headers["X-Job-Id"], queued.headers["X-Job-Id"]
+        seen = read_events(running, limit=100)
+        running.close()
+        queued.close()
+        assert job(base, queued_id)["state"] == "queued"
+        # One `parkq up` per data directory.
+        other = subprocess.run(
+            [*CLI, "up", "--model", str(tiny_model), "--port", "0", "--data-dir", str(data)],
+            capture_output=True, text=True, timeout=120, env={**os.environ, **TEST_ENV},
+        )  # fmt: skip
+        assert other.returncode == 1 and "is using the data directory" in other.stderr
+        if crash:  # every process at once, as a power cut or an OOM kill of the group would
+            for pid, _ in _children(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        else:
+            assert stop_parkq(proc) == 0
+    finally:
+        if proc.poll() is None:
+            stop_parkq(proc)
+    proc, base = start_parkq(tiny_model, None, "--data-dir", str(data), env=TEST_ENV)
+    try:
+        rest = _events_from(base, running_id, seen[-1][0])
+        events = seen + rest
+        assert [i for i, _ in events] == list(range(1, len(events) + 1))
+        assert completion_text(events) == completion_text(reference)
+        assert logprob_tokens(events) == logprob_tokens(reference)
+        later = _events_from(base, queued_id, 0)
+        assert completion_text(later) == completion_text(reference)
+        assert job(base, running_id)["state"] == job(base, queued_id)["state"] == "finished"
+    finally:
+        stop_parkq(proc)
+
+
+def test_parkq_up_stopped_and_started_again_resumes_every_job(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    _restart_keeps_every_job(tiny_model, tmp_path, crash=False)
+
+
+def test_parkq_up_killed_outright_and_started_again_resumes_every_job(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    _restart_keeps_every_job(tiny_model, tmp_path, crash=True)
+
+
+def test_an_ephemeral_parkq_up_keeps_nothing(tiny_model: Path) -> None:
+    proc, base = start_parkq(tiny_model, None, "--ephemeral", env=TEST_ENV)
+    try:
+        job_id = submit_stream(base, _long(0.0, max_tokens=50)).headers["X-Job-Id"]
+    finally:
+        stop_parkq(proc)
+    proc, base = start_parkq(tiny_model, None, "--ephemeral", env=TEST_ENV)
+    try:
+        assert requests.get(f"{base}/v1/jobs/{job_id}", timeout=10).status_code == 404
     finally:
         stop_parkq(proc)
