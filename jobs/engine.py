@@ -142,6 +142,15 @@ class Vocab:
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
+    def is_control(self, token: int) -> bool:
+        """Whether special-token parsing makes this token (control, user-defined, unknown)."""
+        kinds = (
+            llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
+            | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+            | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+        )
+        return bool(llama_cpp.llama_vocab_get_attr(self._vocab, token) & kinds)
+
     def chat_prompt(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> tuple[str, list[str]]:

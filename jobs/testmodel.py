@@ -16,7 +16,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-__all__ = ["CHAT_TEMPLATE", "QUANTS", "write_test_model"]
+__all__ = ["CHAT_TEMPLATE", "GEMMA_CONTROL_TOKENS", "GEMMA_TEMPLATE", "QUANTS", "write_test_model"]
 
 N_EMBD = 64
 N_HEAD = 4
@@ -33,6 +33,17 @@ QUANTS: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = {
 }
 
 #: A plain role-tagged template, so chat requests exercise the model's own template.
+#: Gemma's published chat template, whose turns are control tokens (for a tiny
+#: model that speaks in turns as real chat models do).
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+GEMMA_CONTROL_TOKENS = ("<start_of_turn>", "<end_of_turn>")
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n"
     "{{ message['content'] }}\n{% endfor %}"
@@ -131,10 +142,13 @@ _WORDS = [
 ]
 
 
-def _vocab(extra_words: Sequence[str] = ()) -> tuple[list[bytes], list[float], list[int]]:
-    tokens: list[bytes] = [b"<unk>", b"<s>", b"</s>"]
-    scores: list[float] = [0.0, 0.0, 0.0]
+def _vocab(
+    extra_words: Sequence[str] = (), control: Sequence[str] = ()
+) -> tuple[list[bytes], list[float], list[int]]:
+    tokens: list[bytes] = [b"<unk>", b"<s>", b"</s>", *(c.encode() for c in control)]
+    scores: list[float] = [0.0] * len(tokens)
     types: list[int] = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    types += [gguf.TokenType.CONTROL] * len(control)
     for b in range(256):
         tokens.append(f"<0x{b:02X}>".encode())
         scores.append(0.0)
@@ -158,11 +172,18 @@ def _vocab(extra_words: Sequence[str] = ()) -> tuple[list[bytes], list[float], l
 
 
 def write_test_model(
-    path: str | Path, seed: int = 0, quant: str = "f32", extra_words: Sequence[str] = ()
+    path: str | Path,
+    seed: int = 0,
+    quant: str = "f32",
+    extra_words: Sequence[str] = (),
+    chat_template: str = CHAT_TEMPLATE,
+    control_tokens: Sequence[str] = (),
 ) -> Path:
     """Write the tiny model to ``path`` (weights of type ``quant``) and return the path.
 
     ``extra_words`` grow the vocabulary: a model with another vocabulary.
+    ``control_tokens`` are added as control tokens (e.g. GEMMA_CONTROL_TOKENS,
+    with ``chat_template=GEMMA_TEMPLATE``).
     """
     if quant not in QUANTS:
         raise ValueError(f"quant must be one of {', '.join(QUANTS)}, not {quant!r}")
@@ -170,7 +191,7 @@ def write_test_model(
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    tokens, scores, types = _vocab(extra_words)
+    tokens, scores, types = _vocab(extra_words, control_tokens)
     n_vocab = len(tokens)
 
     w = gguf.GGUFWriter(str(path), "llama")
@@ -193,7 +214,7 @@ def write_test_model(
     w.add_eos_token_id(2)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_chat_template(chat_template)
 
     def rand(*shape: int, std: float = 0.2) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)

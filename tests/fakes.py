@@ -33,6 +33,9 @@ class FakeVocab:
     def is_eog(self, token: int) -> bool:
         return token == EOS
 
+    def is_control(self, token: int) -> bool:
+        return token == EOS
+
 
 class FakeEngine(FakeVocab):
     """Follows a script when given one, else picks tokens from a hash of the context.

@@ -14,6 +14,7 @@ from jobs.batches import BatchStore
 from jobs.events import DONE
 from jobs.generation import GenerationRequest
 from jobs.identity import ModelIdentity
+from jobs.prompts import chat_ids
 from jobs.sampling import SamplingParams
 from jobs.store import QueueFull
 from scheduler.policy import priority_level
@@ -100,10 +101,9 @@ def _chat_job(req: ChatRequest) -> GenerationRequest:
     runtime = rt()
     messages = [m.as_template_input() for m in req.messages]
     try:
-        prompt, template_stops = runtime.vocab.chat_prompt(messages, req.tools)
+        ids, template_stops = chat_ids(runtime.vocab, messages, req.tools)
     except ValueError as exc:
         raise BadRequest(str(exc), param="messages") from None
-    ids = runtime.vocab.tokenize(prompt, special=True)
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise BadRequest("top_logprobs requires logprobs=true", param="top_logprobs")
@@ -306,10 +306,9 @@ def tokenize() -> Any:
     if req.messages is not None:
         messages = [m.as_template_input() for m in req.messages]
         try:
-            prompt, _ = runtime.vocab.chat_prompt(messages)
+            ids, _ = chat_ids(runtime.vocab, messages)
         except ValueError as exc:
             raise BadRequest(str(exc), param="messages") from None
-        ids = runtime.vocab.tokenize(prompt, special=True)
     else:
         ids = runtime.vocab.tokenize(req.text or "", add_bos=False, special=False)
     return jsonify({"tokens": ids, "count": len(ids), "context_length": runtime.n_ctx})
