@@ -298,6 +298,7 @@ class Store:
         fields: dict[str, str | int] = {
             "checkpoint_bytes": checkpoint_bytes,
             "rss_bytes": rss_bytes,
+            "named": "1" if self.named_connection() else "0",
         }
         if self.model is not None:
             fields.update(self.model.fields())
@@ -305,6 +306,34 @@ class Store:
             p.zadd(self.keys.workers, {worker: now + ttl})
             p.hset(self.keys.worker(worker), mapping=fields)
             p.execute()
+
+    def named_connection(self) -> bool:
+        """Whether this store's connections carry CLIENT SETNAME (see Keys.client_name)."""
+        kwargs = getattr(self.r.connection_pool, "connection_kwargs", {})
+        name = kwargs.get("client_name")
+        return isinstance(name, str) and name.startswith(self.keys.client_name_prefix)
+
+    def disconnected_workers(self, now: float, me: str) -> list[str] | None:
+        """Live workers (by heartbeat) that announced named connections and have none
+        open now: their process has died. None when CLIENT LIST is not allowed."""
+        try:
+            names = {c.get("name", "") for c in self.r.client_list()}
+        except redis.ResponseError:
+            return None  # e.g. a managed Redis without CLIENT: the TTL alone decides
+        alive = [w for w in self.workers_alive(now) if w != me]
+        with self.r.pipeline(transaction=False) as p:
+            for w in alive:
+                p.hget(self.keys.worker(w), "named")
+            named = p.execute()
+        return [
+            w
+            for w, flag in zip(alive, named, strict=True)
+            if flag is not None and _text(flag) == "1" and self.keys.client_name(w) not in names
+        ]
+
+    def expire_worker(self, worker: str) -> None:
+        """Mark one worker's heartbeat expired (its process is gone); reap next."""
+        self.r.zadd(self.keys.workers, {worker: 0}, xx=True)
 
     def expire_workers(self) -> int:
         """Mark every known worker's heartbeat expired (they are known to be gone, as

@@ -40,6 +40,10 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+#: How often an idle worker looks for workers whose connections are gone.
+CONN_CHECK_SECONDS = 0.5
+
+
 def default_worker_name() -> str:
     return f"{socket.gethostname()}.{os.getpid()}"
 
@@ -71,6 +75,11 @@ class Worker:
         self.prefixes = PrefixCache(settings.prefix_cache_bytes)
         self.stopping = threading.Event()
         self._next_beat = 0.0
+        # Connection liveness: workers seen without a connection, and since when;
+        # when this worker last lost Redis itself (then everyone looks gone).
+        self._absent: dict[str, float] = {}
+        self._next_conn_check = 0.0
+        self._redis_lost_at = 0.0
 
     # -- lifecycle --------------------------------------------------------
 
@@ -96,15 +105,19 @@ class Worker:
             while not self.stopping.is_set():
                 try:
                     self.beat(force=False)
+                    self._reap_disconnected(time.time())
                     claim = self.store.claim(self.name, time.time())
                     if claim is None:
-                        self.store.wait_for_work(timeout=min(1.0, self.settings.heartbeat_seconds))
+                        self.store.wait_for_work(
+                            timeout=min(CONN_CHECK_SECONDS, self.settings.heartbeat_seconds)
+                        )
                     else:
                         self.execute(claim)
                         self._feed_batch(claim.job_id)
                     backoff = 0.0
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     # Redis restarting: wait and carry on (its AOF keeps the jobs).
+                    self._redis_lost_at = time.time()
                     backoff = min(5.0, backoff * 2 or 0.2)
                     log.warning("worker %s: Redis unavailable (%s); retry in %.1f s",
                                 self.name, exc, backoff)  # fmt: skip
@@ -129,7 +142,36 @@ class Worker:
         try:
             self._beat(now)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._redis_lost_at = now
             log.warning("worker %s: heartbeat failed (%s)", self.name, exc)
+
+    def _reap_disconnected(self, now: float) -> None:
+        """Requeue at once the jobs of workers whose Redis connections are gone.
+
+        A process that dies (SIGKILL, a segfault, the OOM killer) closes its
+        connections at once, long before its heartbeat expires. A worker is
+        taken for dead when it is missing from CLIENT LIST in two looks
+        CONN_CHECK_SECONDS apart; not within a worker TTL after this worker
+        itself lost Redis (a Redis restart drops everyone's connections). A
+        frozen or partitioned worker keeps its connection or its heartbeat
+        ages out: the TTL and the fencing cover it, as before.
+        """
+        if now < self._next_conn_check or not self.store.named_connection():
+            return
+        self._next_conn_check = now + CONN_CHECK_SECONDS
+        if now - self._redis_lost_at < self.settings.worker_ttl:
+            self._absent.clear()
+            return
+        gone = self.store.disconnected_workers(now, self.name)
+        if gone is None:
+            return
+        dead = [w for w in gone if now - self._absent.get(w, now) >= CONN_CHECK_SECONDS]
+        self._absent = {w: self._absent.get(w, now) for w in gone if w not in dead}
+        for w in dead:
+            log.warning("worker %s: its Redis connections are gone; taking it for dead", w)
+            self.store.expire_worker(w)
+        if dead:
+            self._reap(now)
 
     def _beat(self, now: float) -> None:
         # Reap before the heartbeat: a beat must never refresh a dead worker of

@@ -98,6 +98,15 @@ class Keys:
         """Hash of one worker: its job, execution token, since, key, preempt flag."""
         return f"{self.worker_prefix}{name}"
 
+    def client_name(self, worker: str) -> str:
+        """Not a key: the CLIENT SETNAME of a worker's Redis connections. When none
+        of them is left in CLIENT LIST, the worker's process is gone."""
+        return f"parkq-worker:{self.prefix}:{worker}".replace(" ", "_")
+
+    @property
+    def client_name_prefix(self) -> str:
+        return f"parkq-worker:{self.prefix}:".replace(" ", "_")
+
     @property
     def files(self) -> str:
         """Sorted set of uploaded and generated file ids scored by creation time."""

@@ -241,7 +241,7 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
     from jobs.engine import LlamaEngine
     from jobs.identity import identify
     from jobs.kernels import choose_kernels
-    from jobs.worker import Worker
+    from jobs.worker import Worker, default_worker_name
     from web.app import model_name
 
     settings = _resolve_model(
@@ -277,8 +277,13 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
     identity = identify(
         model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir
     )
-    client = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
-    w = Worker(settings, engine, client, model=identity)
+    name = settings.worker_name or default_worker_name()
+    client = redis.Redis.from_url(
+        settings.redis_url,
+        health_check_interval=30,
+        client_name=settings.keys.client_name(name),  # its liveness: see Worker
+    )
+    w = Worker(settings, engine, client, name=name, model=identity)
     signals = {"count": 0}
 
     def _stop(signum: int, frame: Any) -> None:

@@ -179,3 +179,34 @@ def test_sigterm_parks_the_running_job_and_another_worker_finishes_it(cluster: C
     assert stopped_in < 10
     cluster.start_worker(victim)
     wait_until(lambda: cluster.workers_alive() == 2, timeout=60)
+
+
+def test_a_killed_worker_is_noticed_by_its_closed_connections_not_its_ttl(
+    redis_server, tiny_model: Path, tmp_path: Path
+) -> None:
+    c = Cluster(redis_server.url, tiny_model, tmp_path, prefix="connlive")
+    c.env["PARKQ_WORKER_TTL"] = "60"  # the TTL alone would take a minute
+    c.start("web", ["web", "--port", str(c.port)])
+    c.start_worker("busy")
+    try:
+        wait_until(lambda: c.workers_alive() == 1, timeout=60)
+        reference = read_events(submit_stream(c.base_url, LONG))
+        resp = submit_stream(c.base_url, LONG)
+        job_id = resp.headers["X-Job-Id"]
+        wait_until(lambda: job(c.base_url, job_id)["tokens"] > 200)
+        c.start_worker("spare")  # idle, ready to take over
+        wait_until(lambda: c.workers_alive() == 2, timeout=60)
+        c.procs["busy"].send_signal(signal.SIGKILL)
+        c.procs.pop("busy").wait()
+        killed = time.monotonic()
+        at_kill = job(c.base_url, job_id)["tokens"]
+        wait_until(lambda: job(c.base_url, job_id)["tokens"] > at_kill, timeout=50)
+        recovered = time.monotonic() - killed
+        events = read_events(resp)
+        assert completion_text(events) == completion_text(reference)
+        assert [i for i, _ in events] == list(range(1, len(events) + 1))
+        assert job(c.base_url, job_id)["worker"] == "spare"
+        assert recovered < 30  # far inside the 60 s TTL: the connections told
+        print(f"\nconnection liveness: kill to the next token {recovered:.2f} s (TTL 60 s)")
+    finally:
+        c.stop()
