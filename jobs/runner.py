@@ -30,20 +30,33 @@ Emit = Callable[[list[str]], int]
 class Outcome:
     state: str  # "finished", "cancelled" or "parked"
     payloads: list[str]
+    #: Whether the engine's KV holds the generation's positions (a park in the
+    #: middle of a replay does not: it is parked without a checkpoint).
+    kv_valid: bool = True
 
 
-def _replay(engine: Engine, gen: Generation, n_batch: int, emit: Emit) -> bool:
-    """Rebuild the KV of a generation without a checkpoint. False if cancelled."""
+def _replay(engine: Engine, gen: Generation, n_batch: int, emit: Emit) -> int:
+    """Rebuild the KV of a generation without a checkpoint.
+
+    Returns 0, or the flags (CANCEL, PREEMPT) that stopped it: the replay
+    checks them (and the worker beats) after every prefill chunk and every
+    token, like a run does; a job asked to park is parked again, without a
+    checkpoint.
+    """
     ids = gen.request.prompt_ids
     for start in range(0, gen.n_prefilled, n_batch):
         engine.eval(ids[start : min(start + n_batch, gen.n_prefilled)], start)
+        if flags := emit([]) & (CANCEL | PREEMPT):
+            return flags
     pos = gen.n_prefilled
-    for i, token in enumerate(gen.generated[:-1] if gen.pending is not None else []):
+    for token in gen.generated[:-1] if gen.pending is not None else []:
         engine.eval([token], pos)
         pos += 1
-        if i % n_batch == n_batch - 1 and emit([]) & CANCEL:
-            return False
-    return True
+        # Every token: a slow model's replay must keep the heartbeat going (the
+        # worker writes at most once per write interval).
+        if flags := emit([]) & (CANCEL | PREEMPT):
+            return flags
+    return 0
 
 
 def drive(
@@ -69,8 +82,10 @@ def drive(
         engine.load_seq(kv)
         if keep is not None:
             engine.truncate(keep)
-    elif resume and not _replay(engine, gen, n_batch, emit):
-        return Outcome("cancelled", [])
+    elif resume and (flags := _replay(engine, gen, n_batch, emit)):
+        if flags & CANCEL:
+            return Outcome("cancelled", [])
+        return Outcome("parked", [], kv_valid=False)
     if ready is not None:
         ready()
     logits = None

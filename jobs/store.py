@@ -32,6 +32,7 @@ __all__ = [
     "Reaped",
     "Step",
     "Store",
+    "TransitionRefused",
     "bucket_of",
 ]
 
@@ -94,6 +95,15 @@ class Reaped:
     worker: str
     job_id: str
     outcome: str  # "requeued", "failed" or "" (the worker held no job)
+
+
+class TransitionRefused(RuntimeError):
+    """The job's state does not allow the transition asked for (nothing was written)."""
+
+    def __init__(self, job_id: str, target: JobState) -> None:
+        super().__init__(f"job {job_id}: its state does not allow {target.value}")
+        self.job_id = job_id
+        self.target = target
 
 
 class Store:
@@ -453,6 +463,8 @@ class Store:
         )
         if result == -1:
             raise Fenced(job_id)
+        if result == -2:
+            raise TransitionRefused(job_id, state)
 
     def park(self, job_id: str, exec_token: str, worker: str, checkpoint: str, now: float) -> str:
         """Requeue a running job with its checkpoint; 'parked' or 'cancelled'."""

@@ -28,7 +28,7 @@ from jobs.generation import Generation, GenerationRequest
 from jobs.identity import ModelIdentity
 from jobs.rqjobs import RQBridge
 from jobs.runner import CANCEL, PREEMPT, Outcome, drive
-from jobs.store import CANCEL_EVENTS, Claim, Fenced, Store
+from jobs.store import CANCEL_EVENTS, Claim, Fenced, Store, TransitionRefused
 from scheduler.policy import PRIORITY_LEVELS, priority_label
 from scheduler.settings import Settings
 from scheduler.state import TERMINAL, JobState
@@ -334,7 +334,7 @@ class Worker:
             self._fail(claim, f"engine error: {exc}", "engine_error")
             return
         if outcome.state == "parked":
-            self._park(claim, gen)
+            self._park(claim, gen, with_kv=outcome.kv_valid)
             return
         if unwritten:  # the last steps' tokens go out with the final events
             outcome = Outcome(outcome.state, [*unwritten, *outcome.payloads])
@@ -374,10 +374,10 @@ class Worker:
         last["head"], last["at"] = head_key, now
         self.store.maybe_preempt(now)
 
-    def _park(self, claim: Claim, gen: Generation) -> None:
+    def _park(self, claim: Claim, gen: Generation, with_kv: bool = True) -> None:
         job_id = claim.job_id
         t0 = time.perf_counter()
-        kv = self.engine.save_seq(0)
+        kv = self.engine.save_seq(0) if with_kv else b""  # b"": resumed by replay
         state = json.dumps(gen.state(), separators=(",", ":"))
         if self.settings.fault_park_delay_seconds:
             time.sleep(self.settings.fault_park_delay_seconds)  # fault tests kill us here
@@ -388,7 +388,8 @@ class Worker:
         except Fenced:
             return
         if outcome == "parked":
-            self.checkpoints.put(job_id, Checkpoint(claim.exec_token, gen.n_past, kv))
+            if kv:
+                self.checkpoints.put(job_id, Checkpoint(claim.exec_token, gen.n_past, kv))
             park_ms = (time.perf_counter() - t0) * 1000
             self.store.record(park_ms=park_ms, checkpoint_bytes=len(kv))
             self.store.observe("park_ms", park_ms)
@@ -460,6 +461,9 @@ class Worker:
                 "job %s: execution %s was superseded; dropping it", job_id, claim.exec_token
             )
             return
+        except TransitionRefused as exc:
+            log.error("%s; left as it is", exc)
+            return
         self.store.count(f"jobs_{state.value}")
         self.rq.ended(job_id, "finished" if state is JobState.FINISHED else "canceled")
         log.info(
@@ -483,7 +487,7 @@ class Worker:
                 payloads,
                 time.time(),
             )
-        except Fenced:
+        except (Fenced, TransitionRefused):
             return
         self.store.count("jobs_failed")
         self.rq.ended(claim.job_id, "failed", error=message)

@@ -48,9 +48,10 @@ _TRANSITIONS: dict[JobState, frozenset[JobState]] = {
             JobState.QUEUED,
         }
     ),
-    # Parking drains tokens and checkpoints, then the job waits as parked.
+    # Parking drains tokens and checkpoints, then the job waits as parked; a job
+    # whose last token came before it could park simply finishes.
     JobState.PARKING: frozenset(
-        {JobState.PARKED, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED}
+        {JobState.PARKED, JobState.FINISHED, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED}
     ),
     # A parked job waits in the queue like any other and resumes when claimed.
     JobState.PARKED: frozenset({JobState.RUNNING, JobState.CANCELLED, JobState.FAILED}),

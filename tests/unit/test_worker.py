@@ -249,3 +249,114 @@ def test_fast_steps_share_writes_and_every_event_arrives_once(
     assert every_step >= 20  # about one write per step (a step may hold no event yet)
     assert gathered == 1  # the first event at once, the rest with the end
     assert same == events
+
+
+class _PreemptOnFirstEval(FakeEngine):
+    """Raises the worker's preempt flag at its first decode (inside the replay)."""
+
+    def __init__(self, client: fakeredis.FakeRedis, flag_key: str) -> None:
+        super().__init__()
+        self.client, self.flag_key, self.armed = client, flag_key, True
+
+    def eval(self, tokens: Sequence[int], pos: int, seq: int = 0) -> np.ndarray:
+        if self.armed:
+            self.armed = False
+            self.client.hset(self.flag_key, "preempt", "1")
+        return super().eval(tokens, pos, seq)
+
+
+def _text(store: Store, job_id: str) -> str:
+    return "".join(
+        json.loads(data)["choices"][0]["text"]
+        for _, data in store.events_after(job_id, 0)
+        if data.startswith("{")
+    )
+
+
+def test_a_preemption_during_a_replay_never_leaves_the_job_parking(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    from jobs.generation import Generation
+    from jobs.runner import PREEMPT, drive
+
+    settings = settings.model_copy(update={"n_batch": 4, "write_interval_seconds": 0.0})
+    store = Store(fake_redis, settings)
+    rq = RQBridge(fake_redis, settings.queue_name, settings.result_ttl)
+    req = GenerationRequest("completion", "fake", list(b"replay me"), 21, SamplingParams())
+    # A previous worker ran 20 of the 21 tokens and parked, its KV lost with it.
+    rq.create("j", "test")
+    store.enqueue("j", "completion", req.to_json(), 0, 1.0)
+    claim = store.claim("old", 2.0)
+    assert claim is not None
+    engine = FakeEngine()
+    gen = Generation("j", req, engine.token_bytes, engine.is_eog)
+
+    def emit(payloads: list[str]) -> int:
+        first = gen.events - len(payloads) + 1
+        store.step("j", claim.exec_token, "old", len(gen.generated), first, payloads)
+        return PREEMPT if len(gen.generated) == 20 else 0
+
+    assert drive(engine, gen, emit, 4).state == "parked"
+    assert store.park("j", claim.exec_token, "old", json.dumps(gen.state()), 3.0) == "parked"
+    rq.create("ref", "test")  # the same request, uninterrupted, after it
+    store.enqueue("ref", "completion", req.to_json(), -1, 4.0)
+    # A new worker replays the 20 tokens and is asked to park during the replay;
+    # the one token left would end the job right after it.
+    flaky = _PreemptOnFirstEval(fake_redis, store.keys.worker("new"))
+    worker = Worker(settings, flaky, fake_redis, name="new")
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        rec = _wait_state(store, "j", {"finished", "failed", "cancelled"})
+        _wait_state(store, "ref", {"finished", "failed", "cancelled"})
+    finally:
+        worker.stop()
+        thread.join(timeout=10)
+    assert rec["state"] == "finished" and rec["tokens"] == "21"
+    assert rec["preemptions"] == "2"  # the first park, and the one inside the replay
+    assert _text(store, "j") == _text(store, "ref") != ""
+
+
+class _SlowEngine(FakeEngine):
+    """A slow model: 0.1 s per decode call."""
+
+    def eval(self, tokens: Sequence[int], pos: int, seq: int = 0) -> np.ndarray:
+        time.sleep(0.1)
+        return super().eval(tokens, pos, seq)
+
+
+def test_a_slow_replay_keeps_its_worker_alive(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    from jobs.generation import Generation
+    from jobs.runner import PREEMPT, drive
+
+    # A replay of 30 tokens at 0.1 s each, prefill chunks of 32: a heartbeat only
+    # every chunk would leave 3 s between beats, past the 2 s TTL.
+    settings = settings.model_copy(
+        update={"n_batch": 32, "worker_ttl": 2.0, "heartbeat_seconds": 0.2}
+    )
+    store = Store(fake_redis, settings)
+    req = GenerationRequest("completion", "fake", list(b"slow"), 32, SamplingParams())
+    RQBridge(fake_redis, settings.queue_name, settings.result_ttl).create("slow", "test")
+    store.enqueue("slow", "completion", req.to_json(), 0, 1.0)
+    claim = store.claim("old", 2.0)
+    assert claim is not None
+    gen = Generation("slow", req, FakeEngine().token_bytes, FakeEngine().is_eog)
+    drive(FakeEngine(), gen, lambda p: PREEMPT if len(gen.generated) == 30 else 0, 32)
+    assert store.park("slow", claim.exec_token, "old", json.dumps(gen.state()), 3.0) == "parked"
+    worker = Worker(settings, _SlowEngine(), fake_redis, name="slow-worker")
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    reaped = []
+    try:
+        deadline = time.monotonic() + 30
+        while (rec := store.get("slow")) and rec["state"] != "finished":
+            assert time.monotonic() < deadline, rec
+            reaped += [r.worker for r in Store(fake_redis, settings).reap(time.time())]
+            time.sleep(0.05)
+    finally:
+        worker.stop()
+        thread.join(timeout=10)
+    assert reaped == []  # never taken for dead while it replayed
+    assert rec is not None and "crashes" not in rec
