@@ -13,9 +13,10 @@ HEAD = """\
 
 # Required: the password of the compose Redis (the app connects with it).
 REDIS_PASSWORD=change-me
-# The GGUF file inside the `models` volume, and the published web port.
+# The GGUF file inside the `models` volume, and where the web port is published:
+# loopback only by default; 0.0.0.0:8000 opens it to the network (set PARKQ_API_KEYS).
 PARKQ_MODEL_FILE=model.gguf
-PARKQ_PUBLISH=8000
+PARKQ_PUBLISH=127.0.0.1:8000
 """
 SET_BY_COMPOSE = {"redis_url", "model", "host", "port"}
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hmac
+import time
 
 from flask import Flask, request
 
-from web.dashboard import COOKIE, HEADER, session_token
+from web.dashboard import COOKIE, HEADER, session_valid
 from web.errors import Unauthorized
 
 __all__ = ["init_app"]
@@ -28,14 +29,13 @@ def init_app(app: Flask, keys: tuple[str, ...]) -> None:
     if not keys:
         return
     encoded = tuple(k.encode() for k in keys)
-    sessions = tuple(session_token(k).encode() for k in keys)
 
     @app.before_request
     def _require_key() -> None:
         if request.endpoint in OPEN_ENDPOINTS:
             return
         cookie = request.cookies.get(COOKIE)
-        if cookie and request.headers.get(HEADER) and _valid(cookie, sessions):
+        if cookie and request.headers.get(HEADER) and session_valid(cookie, keys, time.time()):
             return  # the dashboard, signed in (the header rules out cross-site forms)
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:

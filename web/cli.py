@@ -120,6 +120,19 @@ def check_redis(url: str) -> None:
         client.close()
 
 
+def warn_if_open(settings: Settings) -> None:
+    """Say loudly when the API listens beyond this machine without keys."""
+    if settings.api_key_list or settings.host in ("127.0.0.1", "localhost", "::1"):
+        return
+    message = (
+        f"parkq: WARNING: listening on {settings.host}:{settings.port} without API keys: "
+        "anyone who can reach this port can use the model. Set PARKQ_API_KEYS, or bind "
+        "127.0.0.1."
+    )
+    click.echo(message, err=True)
+    log.warning("%s", message.removeprefix("parkq: "))
+
+
 def _stop_on_signals(handler: Any) -> None:
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
@@ -180,6 +193,7 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
     preflight(settings)
     if ephemeral and data_dir:
         raise click.UsageError("--ephemeral keeps nothing: leave out --data-dir")
+    warn_if_open(settings)
     keep = None if ephemeral or settings.redis_url else data_root(settings.data_dir)
     stack = Stack(settings, workers=workers, data_dir=keep)
 
@@ -224,6 +238,7 @@ def web(host: str | None, port: int | None, redis_url: str | None, model: str | 
     if not settings.redis_url:
         raise click.ClickException("--redis-url (or PARKQ_REDIS_URL) is required")
     preflight(settings)
+    warn_if_open(settings)
     serve(settings)
 
 

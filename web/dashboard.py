@@ -18,7 +18,7 @@ from flask import Blueprint, Response, current_app, jsonify, redirect, request
 from scheduler.policy import priority_label
 from web.runtime import Runtime
 
-__all__ = ["COOKIE", "HEADER", "bp", "session_token"]
+__all__ = ["COOKIE", "HEADER", "SESSION_SECONDS", "bp", "session_token", "session_valid"]
 
 bp = Blueprint("dashboard", __name__)
 
@@ -26,9 +26,32 @@ COOKIE = "parkq_session"
 HEADER = "X-Parkq-Dashboard"
 
 
-def session_token(key: str) -> str:
-    """The cookie value for a key: a keyed hash, never the key itself."""
-    return hmac.new(key.encode(), b"parkq dashboard session", hashlib.sha256).hexdigest()
+#: How long a dashboard sign-in lasts.
+SESSION_SECONDS = 12 * 3600
+
+
+def _keyring(keys: tuple[str, ...]) -> bytes:
+    """A digest of the whole key set: changing any key ends every session."""
+    return hashlib.sha256("\n".join(sorted(keys)).encode()).digest()
+
+
+def session_token(key: str, keys: tuple[str, ...], expires: int) -> str:
+    """The cookie value for a sign-in with ``key``: ``<expiry>.<keyed hash>``, never
+    the key itself; it names its expiry and is bound to the current key set."""
+    msg = b"parkq dashboard session|%d|" % expires + _keyring(keys)
+    return f"{expires}.{hmac.new(key.encode(), msg, hashlib.sha256).hexdigest()}"
+
+
+def session_valid(token: str, keys: tuple[str, ...], now: float) -> bool:
+    """Whether ``token`` is an unexpired sign-in with one of ``keys``."""
+    expires_text, _, _ = token.partition(".")
+    if not expires_text.isdigit() or int(expires_text) < now:
+        return False
+    expires = int(expires_text)
+    found = False
+    for key in keys:  # every key, in constant time each
+        found |= hmac.compare_digest(token.encode(), session_token(key, keys, expires).encode())
+    return found
 
 
 def _rt() -> Runtime:
@@ -48,7 +71,14 @@ def login() -> Any:
     if not any(hmac.compare_digest(key.encode(), k.encode()) for k in keys):
         return redirect("/?login=failed", code=303)
     resp = redirect("/", code=303)
-    resp.set_cookie(COOKIE, session_token(key), httponly=True, samesite="Strict", max_age=86400)
+    expires = int(time.time()) + SESSION_SECONDS
+    resp.set_cookie(
+        COOKIE,
+        session_token(key, keys, expires),
+        httponly=True,
+        samesite="Strict",
+        max_age=SESSION_SECONDS,
+    )
     return resp
 
 

@@ -171,3 +171,16 @@ def test_a_wrong_redis_password_is_one_line_and_never_printed(
         assert "right-secret" not in up
     finally:
         server.stop()
+
+
+def test_an_open_bind_without_keys_is_said_loudly(tiny_model: Path, redis_server) -> None:
+    argv = [*PARKQ, "web", "--model", str(tiny_model), "--redis-url", redis_server.url,
+            "--host", "0.0.0.0", "--port", "0"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PARKQ_API_KEYS"}
+    with subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()
+        proc.terminate()
+        proc.wait(timeout=30)
+        proc.stderr.read()
+    assert "WARNING: listening on 0.0.0.0" in first and "without API keys" in first

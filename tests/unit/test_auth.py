@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import fakeredis
 import pytest
 from flask import Flask
@@ -69,3 +71,29 @@ def test_dashboard_signs_in_with_a_cookie_never_a_url(app: Flask) -> None:
     # The cookie alone (a cross-site form could send it) is not enough.
     assert client.get("/dashboard/state").status_code == 401
     assert client.get("/v1/models", headers={"X-Parkq-Dashboard": "1"}).status_code == 200
+
+
+def test_a_dashboard_session_expires_and_ends_when_the_keys_change(
+    app: Flask, settings: Settings, fake_redis: fakeredis.FakeRedis
+) -> None:
+    from web.dashboard import COOKIE, SESSION_SECONDS, session_token
+
+    client = app.test_client()
+    good = client.post("/dashboard/login", data={"key": "key-one"})
+    token = good.headers["Set-Cookie"].split(";")[0].split("=", 1)[1]
+    assert f"Max-Age={SESSION_SECONDS}" in good.headers["Set-Cookie"]
+    headers = {"X-Parkq-Dashboard": "1"}
+    assert client.get("/dashboard/state", headers=headers).status_code == 200
+    # An expired token, even correctly made, is refused.
+    keys = ("key-one", "key-two")
+    stale = client.__class__(app)
+    stale.set_cookie(COOKIE, session_token("key-one", keys, int(time.time()) - 1))
+    assert stale.get("/dashboard/state", headers=headers).status_code == 401
+    # A server with another key set (key-two revoked) refuses the old session.
+    rotated = create_app(
+        settings.model_copy(update={"api_keys": "key-one, key-three"}),
+        vocab=FakeVocab(),
+        client=fake_redis,
+    ).test_client()
+    rotated.set_cookie(COOKIE, token)
+    assert rotated.get("/dashboard/state", headers=headers).status_code == 401
