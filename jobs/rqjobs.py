@@ -4,16 +4,25 @@ parkq orders and claims jobs itself (a priority sorted set, Lua), but every
 request is also an RQ job, JSON-serialized, whose status follows the parkq
 state, so ``rq info`` and rq-dashboard show queues, executing, finished and
 failed jobs, and the workers. This is the only module that imports ``rq``.
+
+Invariant: the view is read-only for parkq. Its writes are best-effort (a
+failed one is logged, never raised into the worker), and nothing in it can
+make parkq refuse or lose a job: a job whose RQ record is gone (deleted in
+rq-dashboard, or expired) still runs; only a record that names another
+function than parkq's refuses it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import redis
 from rq import Queue, SimpleWorker
+from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegistry
@@ -30,6 +39,21 @@ def generate(job_id: str) -> None:
 
 
 GENERATE = f"{generate.__module__}.{generate.__qualname__}"
+
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def _view_write(method: F) -> F:
+    """A write to the RQ view: logged and dropped when it fails, never raised."""
+
+    @functools.wraps(method)
+    def wrapper(self: RQBridge, job_id: str, *args: Any, **kwargs: Any) -> None:
+        try:
+            method(self, job_id, *args, **kwargs)
+        except (redis.RedisError, NoSuchJobError, ValueError) as exc:
+            log.warning("job %s: RQ view not updated (%s: %s)", job_id, type(exc).__name__, exc)
+
+    return wrapper  # type: ignore[return-value]
 
 
 class RQBridge:
@@ -71,11 +95,13 @@ class RQBridge:
             p.execute()
 
     def fetch(self, job_id: str) -> Job | None:
+        """The RQ record, or None when there is none (Redis errors are raised)."""
         try:
             return Job.fetch(job_id, connection=self.r, serializer=JSONSerializer)
-        except Exception:
-            return None
+        except (NoSuchJobError, ValueError, TypeError):
+            return None  # gone, or not a record this serializer reads
 
+    @_view_write
     def canceled(self, job_id: str) -> None:
         job = self.fetch(job_id)
         if job is None:
@@ -119,13 +145,19 @@ class RQBridge:
             self.worker.heartbeat(ttl)
 
     def allowed(self, job_id: str) -> bool:
-        """Only jobs whose RQ function is parkq's own may run."""
-        job = self.fetch(job_id)
-        return job is not None and job.func_name == GENERATE
+        """A job runs unless its RQ record names another function than parkq's.
 
+        A missing record (deleted in rq-dashboard, expired) never stops a job;
+        a Redis error is raised, so that the caller retries rather than refuses.
+        """
+        job = self.fetch(job_id)
+        return job is None or job.func_name == GENERATE
+
+    @_view_write
     def started(self, job_id: str, ttl: int) -> None:
         job = self.fetch(job_id)
         if job is None or self.worker is None:
+            self.r.lrem(self.queue.key, 0, job_id)  # off the RQ queue, record or not
             return
         with self.r.pipeline() as p:
             p.lrem(self.queue.key, 0, job_id)
@@ -136,6 +168,7 @@ class RQBridge:
             self.worker.set_state("busy", pipeline=p)
             p.execute()
 
+    @_view_write
     def requeued(self, job_id: str) -> None:
         """The job waits again (parked, or its worker died)."""
         job = self.fetch(job_id)
@@ -149,11 +182,14 @@ class RQBridge:
                 self.worker.set_state("idle", pipeline=p)
             p.execute()
 
+    @_view_write
     def ended(self, job_id: str, status: str, error: str = "") -> None:
         job = self.fetch(job_id)
         if job is None:
+            self.r.lrem(self.queue.key, 0, job_id)
             return
         with self.r.pipeline() as p:
+            p.lrem(self.queue.key, 0, job_id)  # a job ends off the RQ queue, always
             self._end_execution(job, p)
             if status == "finished":
                 job.set_status(JobStatus.FINISHED, pipeline=p)

@@ -214,10 +214,12 @@ class Worker:
     def execute(self, claim: Claim) -> None:
         t_claim = time.perf_counter()
         job_id, token = claim.job_id, claim.exec_token
-        record = self.store.get(job_id)
+        # Between the claim and the first fenced write nothing may drop the job on
+        # a Redis blip: it would stay `running` on this live worker forever.
+        record = self._retrying(lambda: self.store.get(job_id))
         if record is None:
             return
-        if not self.rq.allowed(job_id):
+        if not self._retrying(lambda: self.rq.allowed(job_id)):
             log.warning("job %s: refused, not a parkq job", job_id)
             self._fail(claim, "refused: not a parkq job", "invalid_job")
             return
@@ -235,7 +237,7 @@ class Worker:
         if not resume and (hit := self.prefixes.best(request.prompt_ids, self.settings.n_batch)):
             kv, keep = hit[0].kv, hit[1]
             gen.n_prefilled = keep
-            self.store.record(prefix_hit_tokens=keep)
+            self._metric(lambda: self.store.record(prefix_hit_tokens=keep))
         log.info(
             "job %s: %s on %s (%d prompt tokens, %d generated, %s)",
             job_id,
@@ -288,7 +290,8 @@ class Worker:
                     latency = (now - timing["last"]) * 1000 / len(payloads)
                 elif first == 1:  # the job's first event: its time to first token
                     ttft = (now - float(record["created_at"])) * 1000
-                    self.store.observe(f"ttft_ms:{priority_label(request_level)}", ttft)
+                    label = f"ttft_ms:{priority_label(request_level)}"
+                    self._metric(lambda: self.store.observe(label, ttft))
                 timing["last"] = now
             step = self._retrying(
                 lambda: self.store.step(
@@ -306,14 +309,15 @@ class Worker:
             if not self.settings.preempt:
                 return step.flags & ~PREEMPT
             if step.flags == 0 and step.head_key is not None:
-                self._check_preempt(step.head_key, my_key, since, last_check)
+                head = step.head_key
+                self._metric(lambda: self._check_preempt(head, my_key, since, last_check))
             return step.flags
 
         def ready() -> None:
             if kv is not None and keep is None:  # resumed from a checkpoint: how long it took
                 resume_ms = (time.perf_counter() - t_claim) * 1000
-                self.store.record(resume_ms=resume_ms)
-                self.store.observe("resume_ms", resume_ms)
+                self._metric(lambda: self.store.record(resume_ms=resume_ms))
+                self._metric(lambda: self.store.observe("resume_ms", resume_ms))
 
         try:
             outcome = drive(
@@ -391,10 +395,11 @@ class Worker:
             if kv:
                 self.checkpoints.put(job_id, Checkpoint(claim.exec_token, gen.n_past, kv))
             park_ms = (time.perf_counter() - t0) * 1000
-            self.store.record(park_ms=park_ms, checkpoint_bytes=len(kv))
-            self.store.observe("park_ms", park_ms)
-            self.store.count("preemptions")
-            self.store.log_preemption(job_id, self.name, len(gen.generated), park_ms)
+            self._metric(lambda: self.store.record(park_ms=park_ms, checkpoint_bytes=len(kv)))
+            self._metric(lambda: self.store.observe("park_ms", park_ms))
+            self._metric(lambda: self.store.count("preemptions"))
+            n = len(gen.generated)
+            self._metric(lambda: self.store.log_preemption(job_id, self.name, n, park_ms))
             self.rq.requeued(job_id)
             log.info(
                 "job %s: parked after %d tokens (%d KV bytes, %.1f ms)",
@@ -407,6 +412,13 @@ class Worker:
             self.store.count("jobs_cancelled")
             self.rq.ended(job_id, "canceled")
             log.info("job %s: cancelled while parking", job_id)
+
+    def _metric(self, call: Callable[[], object]) -> None:
+        """A measurement or a hint (not the job's own data): skipped on a Redis blip."""
+        try:
+            call()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("worker %s: a measurement was dropped (%s)", self.name, exc)
 
     def _retrying(self, call: Callable[[], T]) -> T:
         """A write that survives a Redis restart: retried for up to 60 s. Steps

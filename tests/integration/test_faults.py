@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import requests
 
 from tests.integration.helpers import (
@@ -136,6 +137,10 @@ def test_twenty_sigkills_over_fifty_jobs_lose_and_duplicate_nothing(faults: Clus
         assert completion_text(seen) == reference[prompt], f"job {ids[n]} differs"
         assert job(faults.base_url, ids[n])["state"] == "finished"
     assert (gaps, dups) == (0, 0)
+    # The RQ view holds no id of an ended job in its queue.
+    client = redis.Redis.from_url(faults.env["PARKQ_REDIS_URL"])
+    assert client.llen("rq:queue:faults") == 0
+    client.close()
     recovery = sorted(float(k["recovery_s"]) for k in kills)
     print(
         f"\nfaults: 20 SIGKILLs over {len(results)} jobs, {len(killed_jobs)} jobs hit; "

@@ -360,3 +360,59 @@ def test_a_slow_replay_keeps_its_worker_alive(
         thread.join(timeout=10)
     assert reaped == []  # never taken for dead while it replayed
     assert rec is not None and "crashes" not in rec
+
+
+def test_a_job_whose_rq_record_was_deleted_still_runs(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    """rq-dashboard's delete removes the RQ record; the RQ view never stops a job."""
+    store = Store(fake_redis, settings)
+    rq = RQBridge(fake_redis, settings.queue_name, settings.result_ttl)
+    _submit(store, rq, "orphan", b"still mine")
+    fake_redis.delete("rq:job:orphan")
+    worker = Worker(settings, FakeEngine(), fake_redis, name="w1")
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        rec = _wait_state(store, "orphan", {"failed", "finished"})
+    finally:
+        worker.stop()
+        thread.join(timeout=10)
+    assert rec["state"] == "finished" and rec["tokens"] == "5"
+    assert fake_redis.llen(f"rq:queue:{settings.queue_name}") == 0
+
+
+def test_a_redis_blip_between_claim_and_first_write_loses_nothing(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    import redis
+
+    store = Store(fake_redis, settings)
+    rq = RQBridge(fake_redis, settings.queue_name, settings.result_ttl)
+    _submit(store, rq, "blip", b"through a blip")
+    worker = Worker(settings, FakeEngine(), fake_redis, name="w1")
+    calls = {"get": 0, "fetch": 0}
+    get, fetch = worker.store.get, worker.rq.fetch
+
+    def flaky_get(job_id: str) -> dict[str, str] | None:
+        calls["get"] += 1
+        if calls["get"] == 1:
+            raise redis.ConnectionError("Connection reset by peer")
+        return get(job_id)
+
+    def flaky_fetch(job_id: str):  # type: ignore[no-untyped-def]
+        calls["fetch"] += 1
+        if calls["fetch"] == 1:
+            raise redis.ConnectionError("Connection reset by peer")
+        return fetch(job_id)
+
+    worker.store.get = flaky_get  # type: ignore[method-assign]
+    worker.rq.fetch = flaky_fetch  # type: ignore[method-assign]
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        rec = _wait_state(store, "blip", {"failed", "finished"})
+    finally:
+        worker.stop()
+        thread.join(timeout=10)
+    assert rec["state"] == "finished" and rec["tokens"] == "5"
