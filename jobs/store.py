@@ -282,18 +282,42 @@ class Store:
 
         Returns the flagged worker's name, or None. The flag is set only if
         that worker still runs the same execution (compare-and-set in Lua).
+        A parked job that only its checkpoint holder may take for now (the
+        affinity window, see claim.lua) can interrupt only that holder: parking
+        anyone else would free an engine that could not take it. Such a job is
+        passed over for the next waiting one, which anyone may take.
         """
-        head = self.r.zrange(self.keys.queue, 0, 0, withscores=True)
+        head = self.r.zrange(self.keys.queue, 0, 15, withscores=True)
         if not head:
             return None
-        waiting_key = -float(head[0][1])
         runners, idle, tokens = self.runners(now)
-        victim = choose_victim(self.preempt_policy, waiting_key, runners, idle, now)
-        if victim is None:
+        alive = set(self.workers_alive(now))
+        for raw_id, score in head:
+            job_id = _text(raw_id)
+            state, holder, parked_at = self.r.hmget(
+                self.keys.job(job_id), "state", "ckpt_worker", "parked_at"
+            )
+            bound = (
+                state == b"parked"
+                and holder is not None
+                and _text(holder) in alive
+                and now - float(parked_at or 0) < self.settings.affinity_seconds
+            )
+            if bound:
+                only = [r for r in runners if r.worker == _text(holder)]
+                if not only:
+                    continue  # the holder is idle (it takes the job) or busy unpreemptibly
+                victim = choose_victim(self.preempt_policy, -float(score), only, 0, now)
+                if victim is None:
+                    continue
+            else:
+                victim = choose_victim(self.preempt_policy, -float(score), runners, idle, now)
+                if victim is None:
+                    return None  # the best job anyone may take interrupts no one
+            token = tokens[runners.index(victim)]
+            if self._run("flag", [self.keys.worker(victim.worker)], [victim.job_id, token]):
+                return victim.worker
             return None
-        token = tokens[runners.index(victim)]
-        if self._run("flag", [self.keys.worker(victim.worker)], [victim.job_id, token]):
-            return victim.worker
         return None
 
     # -- worker side ------------------------------------------------------

@@ -416,3 +416,26 @@ def test_a_redis_blip_between_claim_and_first_write_loses_nothing(
         worker.stop()
         thread.join(timeout=10)
     assert rec["state"] == "finished" and rec["tokens"] == "5"
+
+
+def test_a_parked_job_held_by_a_busy_worker_does_not_make_others_park(
+    store: Store, settings: Settings
+) -> None:
+    """No ping-pong: a waiting job that only its checkpoint holder may take (for the
+    affinity window) must not make another worker park its own job, which that
+    worker would then claim straight back."""
+    for name in ("holder", "other"):
+        store.heartbeat(name, now=10.0, ttl=1000)
+    store.enqueue("a", "completion", {}, 5, 1.0)
+    claim_a = store.claim("holder", 10.0)
+    assert claim_a is not None
+    store.enqueue("c", "completion", {}, 9, 11.0)  # more urgent: it will run on the holder
+    store.park("a", claim_a.exec_token, "holder", "{}", 12.0)
+    assert store.claim("holder", 12.0).job_id == "c"  # type: ignore[union-attr]
+    store.enqueue("b", "completion", {}, 0, 2.0)  # low: it runs on the other worker
+    assert store.claim("other", 12.0).job_id == "b"  # type: ignore[union-attr]
+    # The head of the queue is a, which beats b, but only the holder may take it now.
+    assert store.maybe_preempt(12.5) is None
+    assert store.claim("other", 12.5) is None
+    # Once the affinity window has passed, anyone may take a: b's worker is the victim.
+    assert store.maybe_preempt(12.0 + settings.affinity_seconds + 1) == "other"
