@@ -1,7 +1,8 @@
 """Every Redis key name parkq uses, and nothing else.
 
-All keys of one deployment share one hash tag (``{prefix}``), so every Lua
-script touches keys of one Redis Cluster slot. RQ's own bookkeeping keys
+All keys of one deployment share one prefix (``{prefix}``, written as a hash
+tag). Redis Cluster is not supported (see the README): RQ's keys have no tag
+and some scripts read keys they are not passed. RQ's own bookkeeping keys
 (``rq:job:*``, ``rq:queue:*``, registries, workers) keep RQ's names so that
 ``rq info`` and rq-dashboard see them; no Lua script touches those.
 """

@@ -34,7 +34,7 @@ class Settings(BaseSettings):
         "`parkq web` and `parkq worker` require it.",
     )
     key_prefix: str = Field(
-        "parkq", description="Prefix of every parkq key; it is also the Redis Cluster hash tag."
+        "parkq", description="Prefix of every parkq key; two deployments can share a Redis."
     )
     queue_name: str = Field("parkq", description="RQ queue name shown by `rq info`.")
     data_dir: str | None = Field(
