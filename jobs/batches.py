@@ -189,7 +189,6 @@ class BatchStore:
                 k.batch_live(batch_id),
                 k.queue,
                 k.wake,
-                k.jobs,
             ],
             [
                 repr(now),
@@ -246,6 +245,14 @@ class BatchStore:
 
     def live_jobs(self, batch_id: str) -> list[str]:
         return [_text(x) for x in self.r.smembers(self.keys.batch_live(batch_id))]
+
+    def release_results(self, items: list[Item]) -> None:
+        """The batch's output is written: its jobs' results now expire like any job's."""
+        with self.r.pipeline(transaction=False) as p:
+            for item in items:
+                p.expire(self.keys.job(item.job), self.store.result_ttl)
+                p.expire(self.keys.events(item.job), self.store.result_ttl)
+            p.execute()
 
     def lock(self, batch_id: str, seconds: int = 300) -> bool:
         return bool(self.r.set(self.keys.batch_lock(batch_id), "1", nx=True, ex=seconds))

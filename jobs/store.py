@@ -173,7 +173,7 @@ class Store:
         done = int(
             self._run(
                 "enqueue",
-                [k.job(job_id), k.queue, k.wake, k.jobs],
+                [k.job(job_id), k.queue, k.wake],
                 [job_id, score, repr(now), self.settings.max_queue, *flat],
             )
         )

@@ -57,11 +57,6 @@ class Keys:
         return f"{self.base}:live:"
 
     @property
-    def jobs(self) -> str:
-        """Sorted set of every known job id scored by creation time."""
-        return f"{self.base}:jobs"
-
-    @property
     def job_prefix(self) -> str:
         return f"{self.base}:job:"
 

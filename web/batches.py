@@ -361,6 +361,7 @@ def _finalize(
         else:
             fields.update(status="completed", completed_at=now)
         batches.update(batch_id, fields)
+        batches.release_results(items)
         current_app.logger.info(
             "batch %s: %s (%d completed, %d failed)",
             batch_id,

@@ -2,7 +2,7 @@
 -- that have ended, then enqueue pending lines until the window is full. Any
 -- process may call it at any time (it is idempotent), so a batch moves on
 -- whoever ended its last job.
--- KEYS: batch hash, pending list, live set, queue zset, wake list, jobs index zset
+-- KEYS: batch hash, pending list, live set, queue zset, wake list
 -- ARGV: now, job key prefix, window, score for now, live states (csv), pending prefix
 if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress' then
   return 0
@@ -26,7 +26,6 @@ while n < window do
   redis.call('RENAME', ARGV[6] .. id, job)
   redis.call('HSET', job, 'created_at', ARGV[1], 'enqueued_at', ARGV[1], 'score', ARGV[4])
   redis.call('ZADD', KEYS[4], ARGV[4], id)
-  redis.call('ZADD', KEYS[6], ARGV[1], id)
   redis.call('LPUSH', KEYS[5], id)
   redis.call('LTRIM', KEYS[5], 0, 63)
   redis.call('SADD', KEYS[3], id)

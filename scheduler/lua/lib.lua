@@ -38,11 +38,16 @@ local function emit_numbered(job, events, channel, first, from)
 end
 
 -- Put a job in a terminal state and let it and its stream expire.
+-- A job of a batch keeps its result until the batch's output file is written
+-- (BatchStore.release_results then gives it the result TTL): a batch may take
+-- longer than the TTL.
 local function end_job(job, events, state, now, ttl)
   redis.call('HSET', job, 'state', state, 'finished_at', now)
   redis.call('HDEL', job, 'cancel', 'checkpoint')
-  redis.call('EXPIRE', job, ttl)
-  redis.call('EXPIRE', events, ttl)
+  if redis.call('HEXISTS', job, 'batch') == 0 then
+    redis.call('EXPIRE', job, ttl)
+    redis.call('EXPIRE', events, ttl)
+  end
 end
 
 -- Free a worker's slot if it still runs execution `exec`.

@@ -218,3 +218,34 @@ def test_tokenize_and_detokenize_round_trip(client: FlaskClient) -> None:
     assert chat.get_json()["count"] == len("<user>hi\n<assistant>")
     assert client.post("/v1/tokenize", json={}).status_code == 400
     assert client.post("/v1/detokenize", json={"tokens": [10**6]}).status_code == 400
+
+
+def test_a_batchs_results_outlive_the_result_ttl_until_its_output_is_written(
+    bsettings: Settings, fake_redis: fakeredis.FakeRedis
+) -> None:
+    from jobs.batches import BatchStore
+    from jobs.store import Store
+
+    settings = bsettings.model_copy(update={"result_ttl": 1})
+    client = create_app(settings, vocab=FakeVocab(), client=fake_redis).test_client()
+    up = _upload(client, [_line(f"r{i}", f"hello {i}") for i in range(3)])
+    batch = _create(client, up.get_json()["id"]).get_json()
+    batches = BatchStore(Store(fake_redis, settings))
+    items = list(batches.items(batch["id"]))
+    w = Worker(settings, FakeEngine(), fake_redis, name="w1")
+    thread = threading.Thread(target=w.run)
+    thread.start()
+    try:  # no one looks at the batch while it runs
+        deadline = time.monotonic() + 30
+        while batches.states(items) != ["finished"] * 3:
+            assert time.monotonic() < deadline, batches.states(items)
+            time.sleep(0.02)
+    finally:
+        w.stop()
+        thread.join(timeout=10)
+    time.sleep(1.5)  # past the result TTL of every line
+    done = _wait_status(client, batch["id"], {"completed", "failed"})
+    assert done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert [x["custom_id"] for x in _jsonl(client, done["output_file_id"])] == ["r0", "r1", "r2"]
+    # Written out: now the lines' results expire like any job's.
+    assert 0 < fake_redis.ttl(settings.keys.job(items[0].job)) <= 1
