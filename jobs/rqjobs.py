@@ -122,6 +122,7 @@ class RQBridge:
         self.worker = SimpleWorker(
             [self.queue], connection=self.r, name=name, serializer=JSONSerializer
         )
+        self._restore_client_name()
         self.worker.hostname = socket.gethostname()
         try:
             self.worker.register_birth()
@@ -135,6 +136,17 @@ class RQBridge:
         SimpleWorker(
             [self.queue], connection=self.r, name=name, serializer=JSONSerializer
         ).register_death()
+        self._restore_client_name()
+
+    def _restore_client_name(self) -> None:
+        """RQ's worker renames the connection it is given (CLIENT SETNAME, to learn
+        its address); parkq's workers are known alive by their connections' names,
+        so put this process's name back. The pool hands out its last-used
+        connection first: the one RQ renamed."""
+        kwargs = getattr(self.r.connection_pool, "connection_kwargs", {})
+        name = kwargs.get("client_name")
+        if name:
+            self.r.client_setname(name)
 
     def unregister_worker(self) -> None:
         if self.worker is not None:

@@ -154,8 +154,10 @@ def _completion_job(req: CompletionRequest) -> GenerationRequest:
 
 def check_model(runtime: Runtime) -> None:
     """Refuse work when workers are up and none serves this server's model."""
-    fleet = runtime.fleet()
-    if not fleet.mismatch or runtime.identity is None:
+    if runtime.identity is None or not runtime.fleet().mismatch:
+        return
+    fleet = runtime.fleet(fresh=True)  # never refuse on a stale read
+    if not fleet.mismatch:
         return
     ours = runtime.identity
     theirs = sorted({m.describe(): m for m in fleet.others.values()}.items())

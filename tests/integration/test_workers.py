@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import requests
 
 from tests.integration.conftest import TEST_ENV
@@ -208,5 +209,14 @@ def test_a_killed_worker_is_noticed_by_its_closed_connections_not_its_ttl(
         assert job(c.base_url, job_id)["worker"] == "spare"
         assert recovered < 30  # far inside the 60 s TTL: the connections told
         print(f"\nconnection liveness: kill to the next token {recovered:.2f} s (TTL 60 s)")
+        # No live worker was taken for dead: one crash on the job, and the spare's
+        # connections still carry its name after it reaped (RQ renames the
+        # connection it is given; parkq puts the name back).
+        client = redis.Redis.from_url(redis_server.url)
+        assert client.hget("{connlive}:job:" + job_id, "crashes") == b"1"
+        names = {entry.get("name") for entry in client.client_list()}
+        client.close()
+        assert "parkq-worker:connlive:spare" in names
+        assert c.workers_alive() == 1
     finally:
         c.stop()
