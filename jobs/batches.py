@@ -157,6 +157,30 @@ class BatchStore:
             p.zadd(k.batches, {batch_id: now})
             p.execute()
 
+    def create_record(self, record: dict[str, str], now: float) -> None:
+        """Store a batch's record alone (it is validated next; its lines come later)."""
+        with self.r.pipeline(transaction=False) as p:
+            p.hset(self.keys.batch(record["id"]), mapping=record)
+            p.zadd(self.keys.batches, {record["id"]: now})
+            p.execute()
+
+    def transition(self, batch_id: str, expected: str, fields: dict[str, str]) -> bool:
+        """Write ``fields`` only if the batch's status is still ``expected`` (atomic)."""
+        key = self.keys.batch(batch_id)
+        with self.r.pipeline() as p:
+            while True:
+                try:
+                    p.watch(key)
+                    if _text(p.hget(key, "status") or b"") != expected:
+                        p.unwatch()
+                        return False
+                    p.multi()
+                    p.hset(key, mapping=fields)
+                    p.execute()
+                    return True
+                except redis.WatchError:
+                    continue
+
     def get(self, batch_id: str) -> dict[str, str] | None:
         raw = self.r.hgetall(self.keys.batch(batch_id))
         if not raw:
@@ -259,3 +283,12 @@ class BatchStore:
 
     def unlock(self, batch_id: str) -> None:
         self.r.delete(self.keys.batch_lock(batch_id))
+
+    def lock_validation(self, batch_id: str, seconds: int) -> bool:
+        """Taken by the one thread validating the batch's input; it expires if that
+        thread's process dies, and a later read of the batch starts another."""
+        key = self.keys.batch_validation_lock(batch_id)
+        return bool(self.r.set(key, "1", nx=True, ex=seconds))
+
+    def unlock_validation(self, batch_id: str) -> None:
+        self.r.delete(self.keys.batch_validation_lock(batch_id))

@@ -152,3 +152,7 @@ class Keys:
     def batch_lock(self, batch_id: str) -> str:
         """Held while one web process writes a batch's output files."""
         return f"{self.base}:batch:{batch_id}:lock"
+
+    def batch_validation_lock(self, batch_id: str) -> str:
+        """Held (with a TTL) while one web thread validates a batch's input file."""
+        return f"{self.base}:batch:{batch_id}:validating"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import threading
 import time
 from typing import Annotated, Any, Literal
 
@@ -177,6 +178,9 @@ def _error_line(custom_id: str | None, code: str, message: str) -> dict[str, Any
 
 @bp.post("/v1/batches")
 def create_batch() -> Any:
+    """Accept a batch at once, as ``validating``; its lines are checked and
+    tokenized by a thread of their own (a file of 50,000 lines would otherwise
+    hold this request, and a web thread, for as long)."""
     from web.api import _body, check_model
 
     req = parse(BatchCreate, _body())
@@ -187,21 +191,6 @@ def create_batch() -> Any:
     if meta["purpose"] != "batch":
         raise BadRequest("The input file's purpose must be 'batch'.", param="input_file_id")
     batches = _batches()
-    content = batches.file_content(req.input_file_id) or b""
-    lines, invalid, errors = [], [], []
-    seen: set[str] = set()
-    for n, raw in enumerate(content.decode("utf-8").splitlines(), start=1):
-        if not raw.strip():
-            continue
-        try:
-            custom_id, gen = _line_job(raw, req.endpoint, seen)
-        except _LineError as exc:
-            message = f"Line {n}: {exc.message}"
-            invalid.append(_error_line(exc.custom_id, exc.code, message))
-            if len(errors) < 100:
-                errors.append({"code": exc.code, "message": message, "param": None, "line": n})
-            continue
-        lines.append((new_id("batchreq"), custom_id, gen.kind, gen.to_json()))
     now = time.time()
     batch_id = new_id("batch")
     record = {
@@ -212,23 +201,89 @@ def create_batch() -> Any:
         "created_at": str(int(now)),
         "expires_at": str(int(now) + int(window.group(1)) * 3600),
         "metadata": json.dumps(req.metadata),
-        "invalid": str(len(invalid)),
-        "errors": json.dumps(errors),
-        "status": "in_progress" if lines else "failed",
-        "in_progress_at" if lines else "failed_at": str(int(now)),
+        "invalid": "0",
+        "errors": "[]",
+        "status": "validating",
     }
+    batches.create_record(record, now)
+    _start_validation(batches, batch_id)
+    return jsonify(_batch_object(batches, batch_id))
+
+
+#: Longest a validation may take before another web thread may start it again.
+VALIDATION_SECONDS = 600
+
+
+def _start_validation(batches: BatchStore, batch_id: str) -> None:
+    """Validate the batch in a thread, unless one (in any process) already does."""
+    if not batches.lock_validation(batch_id, VALIDATION_SECONDS):
+        return
+    app = current_app._get_current_object()  # type: ignore[attr-defined]
+    threading.Thread(
+        target=_validate, args=(app, batch_id), name=f"validate {batch_id}", daemon=True
+    ).start()
+
+
+def _validate(app: Any, batch_id: str) -> None:
+    """Check and tokenize every line; then queue the batch (or fail it)."""
+    with app.app_context():
+        batches = _batches()
+        try:
+            _validate_lines(batches, batch_id)
+        except Exception as exc:  # the batch fails with the reason; nothing is queued
+            current_app.logger.exception("batch %s: validation failed", batch_id)
+            error = {"code": "validation_failed", "message": str(exc), "param": None, "line": None}
+            failed = {"status": "failed", "failed_at": str(int(time.time())),
+                      "errors": json.dumps([error])}  # fmt: skip
+            if batches.transition(batch_id, "validating", failed):
+                _finalize(batches, batch_id, [], [])
+        finally:
+            batches.unlock_validation(batch_id)
+
+
+def _validate_lines(batches: BatchStore, batch_id: str) -> None:
+    record = _batch(batches, batch_id)
+    content = batches.file_content(record["input_file_id"]) or b""
+    lines, invalid, errors = [], [], []
+    seen: set[str] = set()
+    for n, raw in enumerate(content.decode("utf-8").splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            custom_id, gen = _line_job(raw, record["endpoint"], seen)
+        except _LineError as exc:
+            message = f"Line {n}: {exc.message}"
+            invalid.append(_error_line(exc.custom_id, exc.code, message))
+            if len(errors) < 100:
+                errors.append({"code": exc.code, "message": message, "param": None, "line": n})
+            continue
+        lines.append((new_id("batchreq"), custom_id, gen.kind, gen.to_json()))
     runtime = _rt()
     for job_id, _, kind, gen_json in lines:
         runtime.rq.create(job_id, f"batch {batch_id}: {kind} {len(gen_json['prompt_ids'])} tokens")
-    batches.create_batch(record, lines, invalid, now)
-    if not lines:
-        _finalize(batches, batch_id, [], [])
-    else:
+    now = time.time()
+    batches.create_batch(
+        {"id": batch_id, "invalid": str(len(invalid)), "errors": json.dumps(errors)},
+        lines,
+        invalid,
+        now,
+    )
+    status = "in_progress" if lines else "failed"
+    if not batches.transition(
+        batch_id, "validating", {"status": status, f"{status}_at": str(int(now))}
+    ):
+        # Cancelled while it was validated: its lines never run.
+        for job_id in batches.drop_pending(batch_id):
+            runtime.rq.canceled(job_id)
+        _batch_object(batches, batch_id)  # finalizes it as cancelled
+        return
+    if lines:
         batches.feed(batch_id, now)
+    else:
+        _finalize(batches, batch_id, [], [])
     current_app.logger.info(
         "batch %s: %d requests queued, %d invalid lines", batch_id, len(lines), len(invalid)
     )
-    return jsonify(_batch_object(batches, batch_id))
 
 
 def _batch(batches: BatchStore, batch_id: str) -> dict[str, str]:
@@ -245,6 +300,9 @@ def _batch_object(batches: BatchStore, batch_id: str) -> dict[str, Any]:
     if status in ENDED:
         total = int(record["total"])
         completed, failed = int(record["completed"]), int(record["failed"])
+    elif status == "validating":
+        _start_validation(batches, batch_id)  # again, if its validator died with its process
+        total = completed = failed = 0
     else:
         if status == "in_progress":
             batches.feed(batch_id)

@@ -63,10 +63,11 @@ def test_openai_client_runs_a_batch_with_one_malformed_line(
     path = tmp_path / "in.jsonl"
     path.write_text("\n".join(lines) + "\n")
     batch = _run_batch(client, path)
-    assert batch.status == "in_progress" and batch.request_counts.total == 5
+    assert batch.status in ("validating", "in_progress")  # answered before validation ends
 
     done = _wait_batch(client, batch.id)
     assert done.status == "completed"
+    assert done.request_counts.total == 5
     assert (done.request_counts.completed, done.request_counts.failed) == (4, 1)
     out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
     assert [x["custom_id"] for x in out] == ["q-0", "q-1", "q-2", "q-3"]

@@ -79,8 +79,8 @@ def test_a_batch_runs_every_valid_line_and_reports_the_invalid_ones(
 
     created = _create(client, file_obj["id"])
     assert created.status_code == 200, created.get_json()
-    batch = created.get_json()
-    assert batch["status"] == "in_progress"
+    assert created.get_json()["status"] in ("validating", "in_progress")  # answered at once
+    batch = _wait_status(client, created.get_json()["id"], {"in_progress"})
     assert batch["request_counts"]["total"] == 9
     # Only the window is in the queue: a big batch neither fills it nor ages ahead.
     assert fake_redis.zcard(bsettings.keys.queue) == 2
@@ -121,7 +121,7 @@ def test_batch_lines_run_at_batch_priority_behind_interactive_requests(
     client: FlaskClient, fake_redis: fakeredis.FakeRedis, bsettings: Settings
 ) -> None:
     file_id = _upload(client, [_line(f"r{i}", "x") for i in range(3)]).get_json()["id"]
-    _create(client, file_id)
+    _wait_status(client, _create(client, file_id).get_json()["id"], {"in_progress"})
     resp = client.post(
         "/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "hi"}], "stream": True},
@@ -135,7 +135,7 @@ def test_batch_lines_run_at_batch_priority_behind_interactive_requests(
 
 def test_cancelling_a_batch_cancels_its_queued_and_pending_lines(client: FlaskClient) -> None:
     file_id = _upload(client, [_line(f"r{i}", "x") for i in range(5)]).get_json()["id"]
-    batch = _create(client, file_id).get_json()
+    batch = _wait_status(client, _create(client, file_id).get_json()["id"], {"in_progress"})
     resp = client.post(f"/v1/batches/{batch['id']}/cancel")
     assert resp.status_code == 200
     done = _wait_status(client, batch["id"], {"cancelled"})
@@ -149,8 +149,7 @@ def test_cancelling_a_batch_cancels_its_queued_and_pending_lines(client: FlaskCl
 
 def test_a_file_of_only_invalid_lines_fails_the_batch(client: FlaskClient) -> None:
     file_id = _upload(client, ['{"custom_id": "a"}', "[1, 2]"]).get_json()["id"]
-    batch = _create(client, file_id).get_json()
-    assert batch["status"] == "failed"
+    batch = _wait_status(client, _create(client, file_id).get_json()["id"], {"failed"})
     assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
     assert [e["line"] for e in batch["errors"]["data"]] == [1, 2]
     assert len(_jsonl(client, batch["error_file_id"])) == 2
@@ -231,7 +230,10 @@ def test_a_batchs_results_outlive_the_result_ttl_until_its_output_is_written(
     up = _upload(client, [_line(f"r{i}", f"hello {i}") for i in range(3)])
     batch = _create(client, up.get_json()["id"]).get_json()
     batches = BatchStore(Store(fake_redis, settings))
-    items = list(batches.items(batch["id"]))
+    deadline = time.monotonic() + 30
+    while len(items := list(batches.items(batch["id"]))) < 3:  # validated, not yet read
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
     w = Worker(settings, FakeEngine(), fake_redis, name="w1")
     thread = threading.Thread(target=w.run)
     thread.start()
@@ -249,3 +251,35 @@ def test_a_batchs_results_outlive_the_result_ttl_until_its_output_is_written(
     assert [x["custom_id"] for x in _jsonl(client, done["output_file_id"])] == ["r0", "r1", "r2"]
     # Written out: now the lines' results expire like any job's.
     assert 0 < fake_redis.ttl(settings.keys.job(items[0].job)) <= 1
+
+
+def test_a_batch_is_answered_at_once_and_validated_beside_other_requests(
+    bsettings: Settings, fake_redis: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Validation runs in a thread of its own: the create request does not wait for
+    it, and a batch cancelled while it is validated never runs a line."""
+    import web.batches
+
+    gate = threading.Event()
+    line_job = web.batches._line_job
+
+    def slow_line_job(*args: Any, **kwargs: Any) -> Any:
+        assert gate.wait(timeout=30)  # held until the test lets validation go on
+        return line_job(*args, **kwargs)
+
+    monkeypatch.setattr(web.batches, "_line_job", slow_line_job)
+    client = create_app(bsettings, vocab=FakeVocab(), client=fake_redis).test_client()
+    file_id = _upload(client, [_line(f"r{i}", "x") for i in range(4)]).get_json()["id"]
+    created = _create(client, file_id).get_json()
+    assert created["status"] == "validating"
+    assert created["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+    # Other requests are served meanwhile.
+    assert client.get("/v1/models").status_code == 200
+    assert client.get(f"/v1/batches/{created['id']}").get_json()["status"] == "validating"
+    assert client.post(f"/v1/batches/{created['id']}/cancel").status_code == 200
+    gate.set()
+    done = _wait_status(client, created["id"], {"cancelled"})
+    assert done["status"] == "cancelled"
+    time.sleep(0.3)  # let the validator finish its last writes
+    assert fake_redis.zcard(bsettings.keys.queue) == 0  # no line was ever queued
+    assert client.get(f"/v1/batches/{created['id']}").get_json()["status"] == "cancelled"
