@@ -26,22 +26,24 @@ class Keys:
 
     @property
     def queue(self) -> str:
-        """Sorted set of waiting job ids, lowest score runs first."""
+        """Sorted set of waiting job ids, lowest score runs first. Bound: PARKQ_MAX_QUEUE."""
         return f"{self.base}:queue"
 
     @property
     def wake(self) -> str:
-        """List that idle workers block on; one entry per enqueue."""
+        """List that idle workers block on; one entry per enqueue. Bound: trimmed to 64."""
         return f"{self.base}:wake"
 
     @property
     def workers(self) -> str:
-        """Sorted set of worker names scored by heartbeat expiry (unix time)."""
+        """Sorted set of worker names scored by heartbeat expiry (unix time). Bound:
+        one entry per live worker (the reaper removes dead ones)."""
         return f"{self.base}:workers"
 
     @property
     def running(self) -> str:
-        """Sorted set of busy worker names scored by their running job's key."""
+        """Sorted set of busy worker names scored by their running job's key. Bound:
+        one entry per busy worker."""
         return f"{self.base}:running"
 
     @property
@@ -61,11 +63,12 @@ class Keys:
         return f"{self.base}:job:"
 
     def job(self, job_id: str) -> str:
-        """Hash holding one job's request, state and counters."""
+        """Hash holding one job's request, state and counters. Bound: PARKQ_RESULT_TTL
+        after it ends (a batch line's: once its batch's output file is written)."""
         return f"{self.job_prefix}{job_id}"
 
     def events(self, job_id: str) -> str:
-        """Stream of one job's SSE events; entry ids are ``<seq>-0``."""
+        """Stream of one job's SSE events; entry ids are ``<seq>-0``. Bound: as the job's."""
         return f"{self.events_prefix}{job_id}"
 
     def channel(self, job_id: str) -> str:
@@ -91,7 +94,8 @@ class Keys:
         return f"{self.base}:samples:{name}"
 
     def worker(self, name: str) -> str:
-        """Hash of one worker: its job, execution token, since, key, preempt flag."""
+        """Hash of one worker: its job, execution token, since, key, preempt flag, and what
+        it announces (model, memory). Bound: deleted when the worker is reaped."""
         return f"{self.worker_prefix}{name}"
 
     def client_name(self, worker: str) -> str:
@@ -105,7 +109,8 @@ class Keys:
 
     @property
     def files(self) -> str:
-        """Sorted set of uploaded and generated file ids scored by creation time."""
+        """Sorted set of uploaded and generated file ids scored by creation time. Bound:
+        none: files live until deleted (DELETE /v1/files/<id>), as OpenAI's do."""
         return f"{self.base}:files"
 
     def file(self, file_id: str) -> str:
@@ -118,7 +123,8 @@ class Keys:
 
     @property
     def batches(self) -> str:
-        """Sorted set of batch ids scored by creation time."""
+        """Sorted set of batch ids scored by creation time. Bound: none yet (batch
+        records are kept, as OpenAI keeps them)."""
         return f"{self.base}:batches"
 
     def batch(self, batch_id: str) -> str:
