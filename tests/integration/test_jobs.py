@@ -106,7 +106,13 @@ def test_rq_info_shows_the_jobs_and_the_worker(server: Server) -> None:
     line = next(x for x in out.stdout.splitlines() if x.startswith("parkq"))
     finished = int(line.split(" finished")[0].split(",")[-1])
     assert finished >= 1
-    assert "1 workers" in out.stdout or "workers, 1 queues" in out.stdout
+    r = server.redis
+    seen = {
+        "parkq workers": r.zrange("{parkq}:workers", 0, -1, withscores=True),
+        "rq workers": sorted(r.smembers("rq:workers")),
+        "rq worker keys": sorted(r.scan_iter(match="rq:worker:*", count=1000)),
+    }
+    assert "1 workers" in out.stdout or "workers, 1 queues" in out.stdout, seen
 
 
 def test_bad_input_against_the_real_tokenizer(server: Server) -> None:
