@@ -510,8 +510,9 @@ class Store:
             raise Fenced(job_id)
         return _text(result)
 
-    def reap(self, now: float) -> list[Reaped]:
-        """Requeue the jobs of workers whose heartbeat expired."""
+    def reap(self, now: float, me: str = "") -> list[Reaped]:
+        """Requeue the jobs of workers whose heartbeat expired (never ``me``: a worker
+        that can reap is alive, even if it stalled past its TTL)."""
         k = self.keys
         payloads = [
             error_event(
@@ -530,6 +531,7 @@ class Store:
                 k.channel_prefix,
                 self.settings.crash_limit,
                 self.result_ttl,
+                me,
                 *payloads,
             ],
         )

@@ -95,7 +95,8 @@ class Worker:
                 "taking over its jobs",
                 self.name,
             )
-            self._reap(time.time())
+        # (Also when its liveness had already been expired by someone else.)
+        self._reap(time.time(), previous_life=True)
         self.rq.register_worker(self.name)
         self.beat()
         served = f"serving {self.store.model.describe()}, " if self.store.model else ""
@@ -188,9 +189,10 @@ class Worker:
                     self.checkpoints.drop(job_id)
                     log.info("job %s: ended while parked; checkpoint freed", job_id)
 
-    def _reap(self, now: float) -> None:
-        """Requeue (or fail) the jobs of workers whose liveness expired."""
-        for reaped in self.store.reap(now):
+    def _reap(self, now: float, previous_life: bool = False) -> None:
+        """Requeue (or fail) the jobs of workers whose liveness expired; this worker's
+        own name only for its previous life (at start), never while it runs."""
+        for reaped in self.store.reap(now, "" if previous_life else self.name):
             self.rq.forget_worker(reaped.worker)
             if not reaped.job_id:
                 continue

@@ -1,14 +1,20 @@
 -- Requeue the jobs of workers whose heartbeat expired, and forget the workers.
 -- KEYS: workers zset, queue zset, running zset, wake list
 -- ARGV: now, job key prefix, worker key prefix, events key prefix, channel
---       prefix, crash limit, ttl, failure payloads...
+--       prefix, crash limit, ttl, the reaping worker's name ('' for none),
+--       failure payloads...
 -- A job whose worker died while running it goes back to the queue with its
 -- original score; it resumes from its last checkpoint (or from the start),
 -- and its stream continues without duplicates. A job that has lost its worker
 -- `crash limit` times fails instead.
 -- Returns a flat list: worker, job id or '', outcome ('requeued', 'failed', '').
 local out = {}
-local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1])
+local dead = {}
+for _, w in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1])) do
+  if w ~= ARGV[8] then  -- the reaper itself is alive, if late (a stall past its TTL)
+    table.insert(dead, w)
+  end
+end
 for _, w in ipairs(dead) do
   local wkey = ARGV[3] .. w
   local id = redis.call('HGET', wkey, 'job')
@@ -21,7 +27,7 @@ for _, w in ipairs(dead) do
       local crashes = redis.call('HINCRBY', job, 'crashes', 1)
       if crashes >= tonumber(ARGV[6]) then
         local events = ARGV[4] .. id
-        emit_after(job, events, ARGV[5] .. id, 8)
+        emit_after(job, events, ARGV[5] .. id, 9)
         redis.call('HSET', job, 'error', 'the job lost its worker ' .. crashes .. ' times')
         end_job(job, events, 'failed', ARGV[1], ARGV[7])
         outcome = 'failed'

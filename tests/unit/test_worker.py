@@ -439,3 +439,18 @@ def test_a_parked_job_held_by_a_busy_worker_does_not_make_others_park(
     assert store.claim("other", 12.5) is None
     # Once the affinity window has passed, anyone may take a: b's worker is the victim.
     assert store.maybe_preempt(12.0 + settings.affinity_seconds + 1) == "other"
+
+
+def test_a_worker_that_stalled_past_its_ttl_does_not_reap_itself(store: Store) -> None:
+    """A worker frozen past its TTL (a long GC pause, a starved CPU) that beats again
+    is alive: its own beat must not requeue its job and forget it in RQ; other
+    workers may reap it meanwhile (the fencing covers that)."""
+    store.enqueue("j", "completion", {}, 0, 1.0)
+    store.heartbeat("slowpoke", now=10.0, ttl=3)
+    claim = store.claim("slowpoke", 10.0)
+    assert claim is not None
+    assert store.reap(now=20.0, me="slowpoke") == []  # its own beat, 7 s late
+    rec = store.get("j")
+    assert rec is not None and rec["state"] == "running" and rec["exec"] == claim.exec_token
+    reaped = store.reap(now=20.0)  # anyone else: dead
+    assert [(r.worker, r.job_id, r.outcome) for r in reaped] == [("slowpoke", "j", "requeued")]
