@@ -199,7 +199,26 @@ class BatchStore:
                 return [], False
             start = int(rank) + 1
         ids = [_text(x) for x in self.r.zrevrange(self.keys.batches, start, start + limit)]
+        gone = [i for i, there in zip(ids, self._exist(ids), strict=True) if not there]
+        if gone:  # past their retention: forget them here, and list the next ones
+            self.r.zrem(self.keys.batches, *gone)
+            return self.list_ids(after, limit)
         return ids[:limit], len(ids) > limit
+
+    def _exist(self, batch_ids: list[str]) -> list[bool]:
+        with self.r.pipeline(transaction=False) as p:
+            for batch_id in batch_ids:
+                p.exists(self.keys.batch(batch_id))
+            return [bool(n) for n in p.execute()]
+
+    def retain(self, batch_id: str) -> None:
+        """The batch has ended: keep its record for the retention period, then let it go."""
+        k, ttl = self.keys, self.settings.batch_retention_seconds
+        with self.r.pipeline(transaction=False) as p:
+            for key in (k.batch(batch_id), k.batch_items(batch_id), k.batch_invalid(batch_id),
+                        k.batch_live(batch_id), k.batch_pending(batch_id)):  # fmt: skip
+                p.expire(key, ttl)
+            p.execute()
 
     def feed(self, batch_id: str, now: float | None = None) -> int:
         """Top the batch's window up from its pending lines; how many were queued."""

@@ -123,8 +123,9 @@ class Keys:
 
     @property
     def batches(self) -> str:
-        """Sorted set of batch ids scored by creation time. Bound: none yet (batch
-        records are kept, as OpenAI keeps them)."""
+        """Sorted set of batch ids scored by creation time. Bound: an ended batch's
+        record and lists expire PARKQ_BATCH_RETENTION_SECONDS after it ends; listing
+        drops ids whose record is gone."""
         return f"{self.base}:batches"
 
     def batch(self, batch_id: str) -> str:

@@ -131,6 +131,12 @@ class Settings(BaseSettings):
     batch_max_lines: int = Field(
         50_000, ge=1, description="Most requests (lines) in one batch input file."
     )
+    batch_retention_seconds: int = Field(
+        30 * 86400,
+        ge=60,
+        description="An ended batch's record (status, counts, its lines' ids) is kept this "
+        "long after it ends; its output and error files live until deleted, like any file.",
+    )
     batch_window: int = Field(
         4,
         ge=1,

@@ -420,6 +420,7 @@ def _finalize(
             fields.update(status="completed", completed_at=now)
         batches.update(batch_id, fields)
         batches.release_results(items)
+        batches.retain(batch_id)
         current_app.logger.info(
             "batch %s: %s (%d completed, %d failed)",
             batch_id,

@@ -283,3 +283,19 @@ def test_a_batch_is_answered_at_once_and_validated_beside_other_requests(
     time.sleep(0.3)  # let the validator finish its last writes
     assert fake_redis.zcard(bsettings.keys.queue) == 0  # no line was ever queued
     assert client.get(f"/v1/batches/{created['id']}").get_json()["status"] == "cancelled"
+
+
+def test_an_ended_batch_is_kept_for_its_retention_then_forgotten(
+    bsettings: Settings, fake_redis: fakeredis.FakeRedis
+) -> None:
+    settings = bsettings.model_copy(update={"batch_retention_seconds": 60})
+    client = create_app(settings, vocab=FakeVocab(), client=fake_redis).test_client()
+    file_id = _upload(client, ['{"custom_id": "a"}']).get_json()["id"]  # fails at once
+    batch = _wait_status(client, _create(client, file_id).get_json()["id"], {"failed"})
+    assert 0 < fake_redis.ttl(settings.keys.batch(batch["id"])) <= 60
+    assert 0 < fake_redis.ttl(settings.keys.batch_invalid(batch["id"])) <= 60
+    fake_redis.delete(settings.keys.batch(batch["id"]))  # as its expiry will
+    listed = client.get("/v1/batches").get_json()
+    assert listed["data"] == [] and fake_redis.zcard(settings.keys.batches) == 0
+    # Its files are the user's: they stay until deleted.
+    assert client.get(f"/v1/files/{batch['error_file_id']}").status_code == 200
