@@ -69,10 +69,16 @@ class BatchStore:
     # -- files ------------------------------------------------------------
 
     def create_file(
-        self, filename: str, purpose: str, content: bytes, now: float
+        self,
+        filename: str,
+        purpose: str,
+        content: bytes,
+        now: float,
+        expires_at: int | None = None,
     ) -> dict[str, Any]:
+        """Store a file; one with ``expires_at`` (a batch's output) is deleted then."""
         file_id = new_id("file")
-        meta = {
+        meta: dict[str, Any] = {
             "id": file_id,
             "object": "file",
             "bytes": len(content),
@@ -81,11 +87,16 @@ class BatchStore:
             "purpose": purpose,
             "status": "processed",
         }
+        if expires_at is not None:
+            meta["expires_at"] = expires_at
         k = self.keys
         with self.r.pipeline() as p:
             p.set(k.file_content(file_id), content)
             p.hset(k.file(file_id), mapping={key: str(v) for key, v in meta.items()})
             p.zadd(k.files, {file_id: now})
+            if expires_at is not None:
+                p.expireat(k.file_content(file_id), expires_at)
+                p.expireat(k.file(file_id), expires_at)
             p.execute()
         return self._file_object(meta)
 
@@ -99,7 +110,7 @@ class BatchStore:
             "filename": meta["filename"],
             "purpose": meta["purpose"],
             "status": meta.get("status", "processed"),
-            "expires_at": None,
+            "expires_at": int(meta["expires_at"]) if meta.get("expires_at") else None,
             "status_details": None,
         }
 
@@ -115,7 +126,11 @@ class BatchStore:
 
     def list_files(self, purpose: str | None = None) -> list[dict[str, Any]]:
         ids = [_text(x) for x in self.r.zrevrange(self.keys.files, 0, 9999)]
-        files = [f for f in (self.get_file(i) for i in ids) if f is not None]
+        found = {i: self.get_file(i) for i in ids}
+        gone = [i for i, f in found.items() if f is None]
+        if gone:  # expired batch outputs: forget their ids too
+            self.r.zrem(self.keys.files, *gone)
+        files = [f for f in found.values() if f is not None]
         return [f for f in files if purpose is None or f["purpose"] == purpose]
 
     def delete_file(self, file_id: str) -> bool:

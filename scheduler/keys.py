@@ -110,7 +110,8 @@ class Keys:
     @property
     def files(self) -> str:
         """Sorted set of uploaded and generated file ids scored by creation time. Bound:
-        none: files live until deleted (DELETE /v1/files/<id>), as OpenAI's do."""
+        a batch's output and error files expire with the batch's retention; uploaded
+        files live until deleted (DELETE /v1/files/<id>), as OpenAI's do."""
         return f"{self.base}:files"
 
     def file(self, file_id: str) -> str:

@@ -134,8 +134,8 @@ class Settings(BaseSettings):
     batch_retention_seconds: int = Field(
         30 * 86400,
         ge=60,
-        description="An ended batch's record (status, counts, its lines' ids) is kept this "
-        "long after it ends; its output and error files live until deleted, like any file.",
+        description="An ended batch's record (status, counts, its lines' ids) and its output "
+        "and error files are kept this long after it ends; uploaded files stay until deleted.",
     )
     batch_window: int = Field(
         4,

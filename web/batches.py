@@ -409,7 +409,11 @@ def _finalize(
             if lines:
                 content = "".join(json.dumps(x) + "\n" for x in lines).encode()
                 meta = batches.create_file(
-                    f"{batch_id}_{name}.jsonl", "batch_output", content, time.time()
+                    f"{batch_id}_{name}.jsonl",
+                    "batch_output",
+                    content,
+                    time.time(),
+                    expires_at=int(time.time()) + batches.settings.batch_retention_seconds,
                 )
                 fields[f"{name}_file_id"] = meta["id"]
         if record["status"] == "failed":

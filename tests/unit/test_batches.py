@@ -297,5 +297,11 @@ def test_an_ended_batch_is_kept_for_its_retention_then_forgotten(
     fake_redis.delete(settings.keys.batch(batch["id"]))  # as its expiry will
     listed = client.get("/v1/batches").get_json()
     assert listed["data"] == [] and fake_redis.zcard(settings.keys.batches) == 0
-    # Its files are the user's: they stay until deleted.
-    assert client.get(f"/v1/files/{batch['error_file_id']}").status_code == 200
+    # Its error file expires with it; the uploaded input stays until deleted.
+    error_file = client.get(f"/v1/files/{batch['error_file_id']}").get_json()
+    assert 0 < error_file["expires_at"] - time.time() <= 61
+    assert 0 < fake_redis.ttl(settings.keys.file_content(batch["error_file_id"])) <= 61
+    assert fake_redis.ttl(settings.keys.file(file_id)) == -1
+    fake_redis.delete(settings.keys.file(batch["error_file_id"]))  # as its expiry will
+    listed_files = client.get("/v1/files").get_json()["data"]
+    assert [f["id"] for f in listed_files] == [file_id]
