@@ -130,3 +130,25 @@ def test_bad_input_against_the_real_tokenizer(server: Server) -> None:
     )  # fmt: skip
     assert resp.status_code == 413
     assert requests.get(server.base_url + "/healthz", timeout=10).status_code == 200
+
+
+def test_a_job_whose_rq_record_is_deleted_still_runs(server: Server) -> None:
+    """rq-dashboard (shipped in compose) can delete a job's RQ record: parkq runs
+    the job anyway (the RQ mirror is a read-only view)."""
+    blocker = submit_stream(
+        server.base_url,
+        {"prompt": "hold", "max_tokens": 3000, "ignore_eos": True, "priority": 1000},
+    )
+    blocker_id = blocker.headers["X-Job-Id"]
+    wait_until(lambda: job(server.base_url, blocker_id)["state"] == "running")
+    target = submit_stream(server.base_url, {"prompt": "mine", "max_tokens": 20})
+    target_id = target.headers["X-Job-Id"]
+    assert job(server.base_url, target_id)["state"] == "queued"
+    assert server.redis.delete(f"rq:job:{target_id}") == 1  # rq-dashboard's "delete"
+    requests.delete(f"{server.base_url}/v1/jobs/{blocker_id}", timeout=10)
+    blocker.close()
+    events = read_events(target)
+    assert events[-1][1] == "[DONE]" and len(completion_text(events)) > 0
+    status = job(server.base_url, target_id)
+    assert status["state"] == "finished" and status["tokens"] == 20
+    assert server.redis.lrem("rq:queue:parkq", 0, target_id) == 0  # not left in RQ's queue
