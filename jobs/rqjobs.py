@@ -153,8 +153,13 @@ class RQBridge:
             self.worker.register_death()
 
     def heartbeat(self, ttl: int) -> None:
-        if self.worker is not None:
-            self.worker.heartbeat(ttl)
+        """Keep this worker in RQ's view; shown again if it was taken out (a worker
+        frozen past its TTL is reaped, and forgotten in RQ, while it sleeps)."""
+        if self.worker is None:
+            return
+        if not self.r.sismember(SimpleWorker.redis_workers_keys, self.worker.key):
+            self.register_worker(self.worker.name)
+        self.worker.heartbeat(ttl)
 
     def allowed(self, job_id: str) -> bool:
         """A job runs unless its RQ record names another function than parkq's.

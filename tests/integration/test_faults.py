@@ -221,10 +221,15 @@ def test_a_frozen_worker_that_wakes_up_cannot_append(faults: Cluster) -> None:
     assert [i for i, _ in events] == list(range(1, len(events) + 1))
     assert completion_text(events) == expected
     assert job(faults.base_url, job_id)["state"] == "finished"
-    # The woken worker dropped the job and serves again.
+    # The woken worker dropped the job and serves again, and RQ shows it again.
     wait_until(lambda: faults.workers_alive() >= 2, timeout=60)
     again = submit_stream(faults.base_url, _body(PROMPTS[2], 50))
     assert read_events(again)[-1][1] == "[DONE]"
+    client = redis.Redis.from_url(faults.env["PARKQ_REDIS_URL"])
+    try:
+        wait_until(lambda: client.sismember("rq:workers", f"rq:worker:{name}"), timeout=30)
+    finally:
+        client.close()
 
 
 @pytest.mark.timeout(300)
