@@ -12,8 +12,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import redis
 import requests
 
 from tests.integration.conftest import TEST_ENV, start_parkq, stop_parkq
@@ -175,3 +177,29 @@ def test_an_ephemeral_parkq_up_keeps_nothing(tiny_model: Path) -> None:
         assert requests.get(f"{base}/v1/jobs/{job_id}", timeout=10).status_code == 404
     finally:
         stop_parkq(proc)
+
+
+def test_a_lone_worker_stalled_past_its_ttl_keeps_its_job(
+    redis_server, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A worker frozen past its TTL with no other worker to reap it (a starved CPU,
+    a long pause) resumes its own job where it was: its own beat must not take it
+    for dead, requeue its job and replay it."""
+    body = _long(0.8, max_tokens=2500)
+    with running_cluster(redis_server.url, tiny_model, tmp_path, "stall", ("solo",)) as c:
+        reference = read_events(submit_stream(c.base_url, body))
+        resp = submit_stream(c.base_url, body)
+        job_id = resp.headers["X-Job-Id"]
+        wait_until(lambda: job(c.base_url, job_id)["tokens"] > 100)
+        c.procs["solo"].send_signal(signal.SIGSTOP)
+        time.sleep(float(TEST_ENV["PARKQ_WORKER_TTL"]) + 2)  # past its TTL, frozen
+        c.procs["solo"].send_signal(signal.SIGCONT)
+        events = read_events(resp)
+        resp.close()
+        assert completion_text(events) == completion_text(reference)
+        assert [i for i, _ in events] == list(range(1, len(events) + 1))
+        client = redis.Redis.from_url(redis_server.url)
+        try:
+            assert client.hget("{stall}:job:" + job_id, "crashes") is None  # never requeued
+        finally:
+            client.close()
