@@ -369,6 +369,10 @@ class Store:
         """Mark one worker's heartbeat expired (its process is gone); reap next."""
         self.r.zadd(self.keys.workers, {worker: 0}, xx=True)
 
+    def drop_retired_keys(self) -> None:
+        """Delete keys that earlier versions wrote and this one no longer uses."""
+        self.r.delete(self.keys.retired_jobs_index)
+
     def expire_workers(self) -> int:
         """Mark every known worker's heartbeat expired (they are known to be gone, as
         after a restart of the whole stack); the next reap requeues their jobs."""

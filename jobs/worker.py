@@ -97,6 +97,7 @@ class Worker:
             )
         # (Also when its liveness had already been expired by someone else.)
         self._reap(time.time(), previous_life=True)
+        self.store.drop_retired_keys()
         self.rq.register_worker(self.name)
         self.beat()
         served = f"serving {self.store.model.describe()}, " if self.store.model else ""

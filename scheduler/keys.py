@@ -59,6 +59,12 @@ class Keys:
         return f"{self.base}:live:"
 
     @property
+    def retired_jobs_index(self) -> str:
+        """A sorted set earlier versions wrote and nothing read; deleted by every
+        worker at start (Store.drop_retired_keys)."""
+        return f"{self.base}:jobs"
+
+    @property
     def job_prefix(self) -> str:
         return f"{self.base}:job:"
 

@@ -454,3 +454,20 @@ def test_a_worker_that_stalled_past_its_ttl_does_not_reap_itself(store: Store) -
     assert rec is not None and rec["state"] == "running" and rec["exec"] == claim.exec_token
     reaped = store.reap(now=20.0)  # anyone else: dead
     assert [(r.worker, r.job_id, r.outcome) for r in reaped] == [("slowpoke", "j", "requeued")]
+
+
+def test_a_worker_deletes_the_jobs_index_earlier_versions_left(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    fake_redis.zadd("{parkq}:jobs", {"old-job": 1.0})  # written, never read, never trimmed
+    worker = Worker(settings, FakeEngine(), fake_redis, name="w1")
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while fake_redis.exists("{parkq}:jobs"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        worker.stop()
+        thread.join(timeout=10)
