@@ -291,12 +291,13 @@ class Store:
         if not head:
             return None
         runners, idle, tokens = self.runners(now)
-        alive = set(self.workers_alive(now))
-        for raw_id, score in head:
-            job_id = _text(raw_id)
-            state, holder, parked_at = self.r.hmget(
-                self.keys.job(job_id), "state", "ckpt_worker", "parked_at"
-            )
+        with self.r.pipeline(transaction=False) as p:
+            p.zrangebyscore(self.keys.workers, now, "+inf")
+            for raw_id, _ in head:
+                p.hmget(self.keys.job(_text(raw_id)), "state", "ckpt_worker", "parked_at")
+            alive_raw, *records = p.execute()
+        alive = {_text(w) for w in alive_raw}
+        for (_, score), (state, holder, parked_at) in zip(head, records, strict=True):
             bound = (
                 state == b"parked"
                 and holder is not None
@@ -364,10 +365,6 @@ class Store:
             for w, flag in zip(alive, named, strict=True)
             if flag is not None and _text(flag) == "1" and self.keys.client_name(w) not in names
         ]
-
-    def expire_worker(self, worker: str) -> None:
-        """Mark one worker's heartbeat expired (its process is gone); reap next."""
-        self.r.zadd(self.keys.workers, {worker: 0}, xx=True)
 
     def drop_retired_keys(self) -> None:
         """Delete keys that earlier versions wrote and this one no longer uses."""

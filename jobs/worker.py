@@ -171,7 +171,7 @@ class Worker:
         self._absent = {w: self._absent.get(w, now) for w in gone if w not in dead}
         for w in dead:
             log.warning("worker %s: its Redis connections are gone; taking it for dead", w)
-            self.store.expire_worker(w)
+            self.store.retire_worker(w)
         if dead:
             self._reap(now)
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import fakeredis
 import numpy as np
@@ -26,6 +28,33 @@ class FlakyEngine(FakeEngine):
         if bytes(self.context[:4] + list(tokens)[:4]).startswith(b"boom"):
             raise EngineError("llama_decode returned -1")
         return super().eval(tokens, pos, seq)
+
+
+@contextlib.contextmanager
+def _running(worker: Worker) -> Iterator[None]:
+    """The worker's loop in a thread for the duration of the block."""
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    try:
+        yield
+    finally:
+        worker.stop()
+        thread.join(timeout=10)
+
+
+def _fails_once(call: Any) -> Any:
+    """``call``, except that its first call raises a ConnectionError (a Redis blip)."""
+    import redis
+
+    calls = {"n": 0}
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise redis.ConnectionError("Connection reset by peer")
+        return call(*args, **kwargs)
+
+    return flaky
 
 
 def _submit(store: Store, rq: RQBridge, job_id: str, prompt: bytes) -> None:
@@ -50,16 +79,11 @@ def test_an_engine_error_fails_the_job_and_the_worker_carries_on(
     store = Store(fake_redis, settings)
     rq = RQBridge(fake_redis, settings.queue_name, settings.result_ttl)
     worker = Worker(settings, FlakyEngine(), fake_redis, name="w1")
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    try:
+    with _running(worker):
         _submit(store, rq, "bad", b"boom!")
         _submit(store, rq, "good", b"fine")
         bad = _wait_state(store, "bad", {"failed", "finished"})
         good = _wait_state(store, "good", {"failed", "finished"})
-    finally:
-        worker.stop()
-        thread.join(timeout=10)
     assert bad["state"] == "failed" and "llama_decode" in bad["error"]
     events = store.events_after("bad", 0)
     assert json.loads(events[-2][1])["error"]["code"] == "engine_error"
@@ -200,14 +224,9 @@ def test_a_job_whose_rq_function_is_not_parkqs_is_refused(
     assert data is not None  # zlib-compressed JSON (RQ's format), never a pickle
     assert json.loads(zlib.decompress(data))[0] == "jobs.rqjobs.generate"
     worker = Worker(settings, FakeEngine(), fake_redis, name="w1")
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    try:
+    with _running(worker):
         rogue_rec = _wait_state(store, "rogue", {"failed", "finished"})
         good = _wait_state(store, "good", {"failed", "finished"})
-    finally:
-        worker.stop()
-        thread.join(timeout=10)
     assert rogue_rec["state"] == "failed" and rogue_rec["tokens"] == "0"
     assert json.loads(store.events_after("rogue", 0)[0][1])["error"]["code"] == "invalid_job"
     assert good["state"] == "finished"
@@ -227,13 +246,8 @@ def _writes_for(
     req = GenerationRequest("completion", "fake", list(b"go"), 40, SamplingParams(temperature=0))
     RQBridge(fake_redis, settings.queue_name, settings.result_ttl).create(job_id, "test")
     store.enqueue(job_id, "completion", req.to_json(), 10, time.time())
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    try:
+    with _running(worker):
         rec = _wait_state(store, job_id, {"finished", "failed"})
-    finally:
-        worker.stop()
-        thread.join(timeout=10)
     assert rec["state"] == "finished" and rec["tokens"] == "40"
     events = store.events_after(job_id, 0)
     assert [seq for seq, _ in events] == list(range(1, len(events) + 1))
@@ -304,14 +318,9 @@ def test_a_preemption_during_a_replay_never_leaves_the_job_parking(
     # the one token left would end the job right after it.
     flaky = _PreemptOnFirstEval(fake_redis, store.keys.worker("new"))
     worker = Worker(settings, flaky, fake_redis, name="new")
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    try:
+    with _running(worker):
         rec = _wait_state(store, "j", {"finished", "failed", "cancelled"})
         _wait_state(store, "ref", {"finished", "failed", "cancelled"})
-    finally:
-        worker.stop()
-        thread.join(timeout=10)
     assert rec["state"] == "finished" and rec["tokens"] == "21"
     assert rec["preemptions"] == "2"  # the first park, and the one inside the replay
     assert _text(store, "j") == _text(store, "ref") != ""
@@ -371,13 +380,8 @@ def test_a_job_whose_rq_record_was_deleted_still_runs(
     _submit(store, rq, "orphan", b"still mine")
     fake_redis.delete("rq:job:orphan")
     worker = Worker(settings, FakeEngine(), fake_redis, name="w1")
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    try:
+    with _running(worker):
         rec = _wait_state(store, "orphan", {"failed", "finished"})
-    finally:
-        worker.stop()
-        thread.join(timeout=10)
     assert rec["state"] == "finished" and rec["tokens"] == "5"
     assert fake_redis.llen(f"rq:queue:{settings.queue_name}") == 0
 
@@ -385,36 +389,14 @@ def test_a_job_whose_rq_record_was_deleted_still_runs(
 def test_a_redis_blip_between_claim_and_first_write_loses_nothing(
     fake_redis: fakeredis.FakeRedis, settings: Settings
 ) -> None:
-    import redis
-
     store = Store(fake_redis, settings)
     rq = RQBridge(fake_redis, settings.queue_name, settings.result_ttl)
     _submit(store, rq, "blip", b"through a blip")
     worker = Worker(settings, FakeEngine(), fake_redis, name="w1")
-    calls = {"get": 0, "fetch": 0}
-    get, fetch = worker.store.get, worker.rq.fetch
-
-    def flaky_get(job_id: str) -> dict[str, str] | None:
-        calls["get"] += 1
-        if calls["get"] == 1:
-            raise redis.ConnectionError("Connection reset by peer")
-        return get(job_id)
-
-    def flaky_fetch(job_id: str):  # type: ignore[no-untyped-def]
-        calls["fetch"] += 1
-        if calls["fetch"] == 1:
-            raise redis.ConnectionError("Connection reset by peer")
-        return fetch(job_id)
-
-    worker.store.get = flaky_get  # type: ignore[method-assign]
-    worker.rq.fetch = flaky_fetch  # type: ignore[method-assign]
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    try:
+    worker.store.get = _fails_once(worker.store.get)  # type: ignore[method-assign]
+    worker.rq.fetch = _fails_once(worker.rq.fetch)  # type: ignore[method-assign]
+    with _running(worker):
         rec = _wait_state(store, "blip", {"failed", "finished"})
-    finally:
-        worker.stop()
-        thread.join(timeout=10)
     assert rec["state"] == "finished" and rec["tokens"] == "5"
 
 
@@ -461,13 +443,8 @@ def test_a_worker_deletes_the_jobs_index_earlier_versions_left(
 ) -> None:
     fake_redis.zadd("{parkq}:jobs", {"old-job": 1.0})  # written, never read, never trimmed
     worker = Worker(settings, FakeEngine(), fake_redis, name="w1")
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    try:
+    with _running(worker):
         deadline = time.monotonic() + 20
         while fake_redis.exists("{parkq}:jobs"):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-    finally:
-        worker.stop()
-        thread.join(timeout=10)
