@@ -386,8 +386,6 @@ class Worker:
         t0 = time.perf_counter()
         kv = self.engine.save_seq(0) if with_kv else b""  # b"": resumed by replay
         state = json.dumps(gen.state(), separators=(",", ":"))
-        if self.settings.fault_park_delay_seconds:
-            time.sleep(self.settings.fault_park_delay_seconds)  # fault tests kill us here
         try:
             outcome = self._retrying(
                 lambda: self.store.park(job_id, claim.exec_token, self.name, state, time.time())

@@ -183,14 +183,6 @@ class Settings(BaseSettings):
         3, ge=1, description="A job whose worker died this many times fails instead of looping."
     )
 
-    # Fault injection (tests only)
-    fault_park_delay_seconds: float = Field(
-        0.0,
-        ge=0,
-        description="Testing only: pause between saving a parking job's KV and recording the "
-        "park, so a fault test can kill a worker in the middle of a checkpoint (0: off).",
-    )
-
     # Logging
     log_level: str = Field("INFO", description="Python logging level.")
     log_format: Literal["text", "json"] = Field("text", description="'text' or 'json' logs.")

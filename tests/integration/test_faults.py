@@ -162,7 +162,7 @@ def test_sigkill_in_the_middle_of_a_checkpoint(faults: Cluster) -> None:
         proc.terminate()
         proc.wait(timeout=30)
     wait_until(lambda: faults.workers_alive() == 0, timeout=60)
-    faults.start_worker("slow", env={"PARKQ_FAULT_PARK_DELAY_SECONDS": "3"})
+    faults.start_worker("slow", env={"PARKQ_TEST_PARK_DELAY_SECONDS": "3"})
     wait_until(lambda: faults.workers_alive() == 1, timeout=60)
 
     resp = submit_stream(faults.base_url, body)

@@ -55,6 +55,15 @@ class Cluster:
         self.procs[name] = subprocess.Popen([*CLI, *argv], env={**self.env, **(env or {})}, cwd=cwd)
 
     def start_worker(self, name: str, env: dict[str, str] | None = None) -> None:
+        """A `parkq worker`; one with faults (``PARKQ_TEST_*`` in ``env``, see
+        tests/faultworker.py) runs through the fault-injecting wrapper."""
+        if env and any(k.startswith("PARKQ_TEST_") for k in env):
+            cwd = self.root / name
+            cwd.mkdir(exist_ok=True)
+            argv = [sys.executable, "-m", "tests.faultworker", "--name", name]
+            full = {**self.env, **env, "PYTHONPATH": str(Path(__file__).parents[2])}
+            self.procs[name] = subprocess.Popen(argv, env=full, cwd=cwd)
+            return
         self.start(name, ["worker", "--name", name], env)
 
     def workers_alive(self) -> int:

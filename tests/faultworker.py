@@ -1,0 +1,104 @@
+"""`parkq worker` with faults injected by the tests, never by production settings.
+
+Run as ``python -m tests.faultworker --name NAME`` (the arguments of
+``parkq worker``). Each fault is off unless its environment variable is set:
+
+- ``PARKQ_TEST_PREFILL_DELAY_SECONDS``: every multi-token engine call (a prompt
+  chunk) first sleeps this long: a slow model's prefill or re-prefill.
+- ``PARKQ_TEST_DECODE_DELAY_SECONDS``: every one-token engine call first sleeps
+  this long: a slow model's decode (and replay), whatever this machine's speed.
+- ``PARKQ_TEST_DIE_AFTER_TOKENS``: the process SIGKILLs itself right after a step
+  write has recorded this many generated tokens of a job.
+- ``PARKQ_TEST_STOP_AFTER_TOKENS``: the process asks itself to stop (SIGTERM: it
+  parks its job at the next step and exits) once a step write has recorded this
+  many generated tokens.
+- ``PARKQ_TEST_PARK_DELAY_SECONDS``: a park pauses between saving the job's KV and
+  recording the park (a window to kill the worker in the middle of a checkpoint).
+- ``PARKQ_TEST_CLAIM_DELAY_SECONDS``: after claiming a job the worker pauses before
+  its first read of the job (a window to restart Redis in).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jobs.engine import LlamaEngine
+from jobs.store import Store
+
+
+def _seconds(name: str) -> float:
+    return float(os.environ.get(name, "0") or 0)
+
+
+def _install() -> None:
+    prefill = _seconds("PARKQ_TEST_PREFILL_DELAY_SECONDS")
+    decode = _seconds("PARKQ_TEST_DECODE_DELAY_SECONDS")
+    die_after = int(os.environ.get("PARKQ_TEST_DIE_AFTER_TOKENS", "0") or 0)
+    stop_after = int(os.environ.get("PARKQ_TEST_STOP_AFTER_TOKENS", "0") or 0)
+    park_delay = _seconds("PARKQ_TEST_PARK_DELAY_SECONDS")
+    claim_delay = _seconds("PARKQ_TEST_CLAIM_DELAY_SECONDS")
+
+    if prefill or decode:
+        original_eval = LlamaEngine.eval
+
+        def slow_eval(
+            self: LlamaEngine, tokens: Sequence[int], pos: int, seq: int = 0
+        ) -> np.ndarray:
+            time.sleep(prefill if len(tokens) > 1 else decode)
+            return original_eval(self, tokens, pos, seq)
+
+        LlamaEngine.eval = slow_eval  # type: ignore[method-assign]
+
+    def after(method: str, hook: Callable[[Any, tuple[Any, ...], Any], None]) -> None:
+        original = getattr(Store, method)
+
+        @functools.wraps(original)
+        def wrapped(self: Store, *args: Any) -> Any:
+            result = original(self, *args)
+            hook(self, args, result)
+            return result
+
+        setattr(Store, method, wrapped)
+
+    if die_after:
+
+        def die(store: Store, args: tuple[Any, ...], result: Any) -> None:
+            if args[3] >= die_after:  # step(job_id, exec_token, worker, n_generated, ...)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        after("step", die)
+    if stop_after:
+        asked = []
+
+        def stop(store: Store, args: tuple[Any, ...], result: Any) -> None:
+            if args[3] >= stop_after and not asked:
+                asked.append(True)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        after("step", stop)
+    if claim_delay:
+        after("claim", lambda store, args, claim: time.sleep(claim_delay) if claim else None)
+    if park_delay:
+        original_park = Store.park
+
+        def slow_park(self: Store, *args: Any) -> str:
+            time.sleep(park_delay)  # the KV is saved; the park is not recorded yet
+            return original_park(self, *args)
+
+        Store.park = slow_park  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    _install()
+    from web.cli import main
+
+    sys.argv = ["parkq", "worker", *sys.argv[1:]]
+    main()
