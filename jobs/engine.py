@@ -42,6 +42,7 @@ class Engine(Protocol):
     def clear(self, seq: int = 0) -> None: ...
     def truncate(self, pos: int, seq: int = 0) -> None: ...
     def eval(self, tokens: Sequence[int], pos: int, seq: int = 0) -> np.ndarray: ...
+    def decode(self, steps: Sequence[tuple[int, int, int]]) -> list[np.ndarray]: ...
     def save_seq(self, seq: int = 0) -> bytes | memoryview: ...
     def load_seq(self, data: bytes | memoryview, seq: int = 0) -> None: ...
 
@@ -186,7 +187,14 @@ class Vocab:
 
 
 class LlamaEngine(Vocab):
-    """A loaded model with one context, decoded one batch at a time."""
+    """A loaded model with one context, decoded one batch at a time.
+
+    The context holds ``n_seq_max`` sequences of ``n_ctx`` positions each, in
+    KV buffers of their own (``kv_unified`` off): a sequence's cells never move
+    because of another one, and :meth:`decode` of one token for each of several
+    sequences gives each the logits it would get alone (see DESIGN.md; the
+    tests check it on every kernel path parkq uses).
+    """
 
     def __init__(
         self,
@@ -201,19 +209,27 @@ class LlamaEngine(Vocab):
     ) -> None:
         super().__init__(path, chat_format, vocab_only=False, extra_buffers=extra_buffers)
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = n_ctx or self.n_ctx_train
-        params.n_batch = n_batch
-        params.n_ubatch = n_batch
+        per_seq = n_ctx or self.n_ctx_train
+        params.n_ctx = per_seq * n_seq_max
+        # One step decodes a token of every sequence: the batch holds them all.
+        params.n_batch = params.n_ubatch = max(n_batch, n_seq_max)
         params.n_seq_max = n_seq_max
+        params.kv_unified = False
         params.swa_full = True
         # llama.cpp's default (4 threads) oversubscribes small machines: use the cores.
         threads = n_threads or len(os.sched_getaffinity(0))
         params.n_threads = threads
         params.n_threads_batch = threads
         self.ctx = _internals.LlamaContext(model=self.model, params=params, verbose=False)
-        self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx.ctx))
+        #: Positions per sequence.
+        self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx.ctx)) // n_seq_max
         self.n_batch = n_batch
-        self._batch = llama_cpp.llama_batch_init(n_batch, 0, n_seq_max)
+        self.n_seq_max = n_seq_max
+        self._capacity = max(n_batch, n_seq_max)
+        #: Whether :meth:`decode` batches sequences in one call; set by the worker
+        #: from :meth:`batch_invariant`.
+        self.batched = False
+        self._batch = llama_cpp.llama_batch_init(max(n_batch, n_seq_max), 0, 1)
         self._memory = llama_cpp.llama_get_memory(self.ctx.ctx)
 
     def close(self) -> None:
@@ -224,6 +240,7 @@ class LlamaEngine(Vocab):
         self.model.close()
 
     def clear(self, seq: int = 0) -> None:
+        """Forget a sequence's positions (every sequence's with ``seq`` -1)."""
         llama_cpp.llama_memory_seq_rm(self._memory, seq, -1, -1)
 
     def truncate(self, pos: int, seq: int = 0) -> None:
@@ -249,6 +266,59 @@ class LlamaEngine(Vocab):
             raise EngineError(f"llama_decode returned {rc}")
         ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, n - 1)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def batch_invariant(self, steps: int = 4) -> bool:
+        """Whether one token of each of ``n_seq_max`` sequences in one
+        ``llama_decode`` gives each the same logits, bit for bit, as decoding it
+        alone. It depends on the kernels (measured here: the quantized paths
+        are, f32 weights are not: their batched matrix product sums in another
+        order). Uses every sequence; clears them all."""
+        n = self.n_seq_max
+        prompt = self.tokenize("parkq checks that batching changes nothing.")[: self.n_batch]
+        self.clear(-1)
+        alone = [self.eval(prompt, 0, 0)]
+        pos = len(prompt)
+        for i in range(steps):
+            alone.append(self.eval([int(np.argmax(alone[-1]))], pos + i, 0))
+        self.clear(-1)
+        together = [[self.eval(prompt, 0, s)] for s in range(n)]
+        for i in range(steps):
+            calls = [(s, int(np.argmax(together[s][-1])), pos + i) for s in range(n)]
+            for s, logits in enumerate(self._decode(calls)):
+                together[s].append(logits)
+        self.clear(-1)
+        return all(
+            np.array_equal(a, b) for seq in together for a, b in zip(alone, seq, strict=True)
+        )
+
+    def decode(self, steps: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
+        """One decode step of several sequences: ``(seq, token, pos)`` each; the
+        logits after each, in order. One ``llama_decode`` for them all where that
+        changes no sequence's logits (:meth:`batch_invariant`), else one each."""
+        if self.batched:
+            return self._decode(steps)
+        return [self.eval([tok], pos, seq) for seq, tok, pos in steps]
+
+    def _decode(self, steps: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
+        n = len(steps)
+        if not 0 < n <= self._capacity:
+            raise ValueError(f"decode takes 1..{self._capacity} steps, got {n}")
+        b = self._batch
+        b.n_tokens = n
+        for i, (seq, tok, pos) in enumerate(steps):
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = True
+        rc = llama_cpp.llama_decode(self.ctx.ctx, b)
+        if rc != 0:
+            raise EngineError(f"llama_decode returned {rc}")
+        out = []
+        for i in range(n):
+            ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, i)
+            out.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
+        return out
 
     def save_seq(self, seq: int = 0) -> memoryview:
         """The KV state of one sequence (not the logits: see DESIGN.md)."""

@@ -1,5 +1,11 @@
 """Drive one generation on the engine: chunked prefill, then one token per step.
 
+:func:`generate` is the generation as a coroutine: it yields each engine call
+it needs (:class:`Eval`: tokens at positions) and is sent the logits back, so
+a worker can interleave several generations on one engine (their decode steps
+batched in one call, each prefill chunk in a call of its own). :func:`drive`
+runs one generation alone.
+
 ``emit(payloads)`` writes a step's events and returns the job's control flags;
 the runner checks them between prefill chunks and between decode steps, which
 is where a running job can be cancelled or parked.
@@ -12,18 +18,35 @@ KV and the logits are bit-identical and the generation continues exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
 
 from jobs.engine import Engine
 from jobs.generation import Generation
 
-__all__ = ["CANCEL", "PREEMPT", "Outcome", "drive"]
+__all__ = ["CANCEL", "PREEMPT", "Eval", "Outcome", "Run", "drive", "generate", "run_alone"]
 
 CANCEL = 1
 PREEMPT = 2
 
 Emit = Callable[[list[str]], int]
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Eval:
+    """One engine call a generation needs: ``tokens`` at positions ``pos...`` of
+    its sequence; the logits after the last one are sent back."""
+
+    tokens: list[int]
+    pos: int
+
+
+#: A generation in progress: yields engine calls, is sent their logits.
+Run = Generator[Eval, np.ndarray, "Outcome"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +58,7 @@ class Outcome:
     kv_valid: bool = True
 
 
-def _replay(engine: Engine, gen: Generation, n_batch: int, emit: Emit) -> int:
+def _replay(gen: Generation, n_batch: int, emit: Emit) -> Generator[Eval, np.ndarray, int]:
     """Rebuild the KV of a generation without a checkpoint.
 
     Returns 0, or the flags (CANCEL, PREEMPT) that stopped it: the replay
@@ -45,12 +68,12 @@ def _replay(engine: Engine, gen: Generation, n_batch: int, emit: Emit) -> int:
     """
     ids = gen.request.prompt_ids
     for start in range(0, gen.n_prefilled, n_batch):
-        engine.eval(ids[start : min(start + n_batch, gen.n_prefilled)], start)
+        yield Eval(ids[start : min(start + n_batch, gen.n_prefilled)], start)
         if flags := emit([]) & (CANCEL | PREEMPT):
             return flags
     pos = gen.n_prefilled
     for token in gen.generated[:-1] if gen.pending is not None else []:
-        engine.eval([token], pos)
+        yield Eval([token], pos)
         pos += 1
         # Every token: a slow model's replay must keep the heartbeat going (the
         # worker writes at most once per write interval).
@@ -69,7 +92,35 @@ def drive(
     ready: Callable[[], None] | None = None,
     keep: int | None = None,
 ) -> Outcome:
-    """Run ``gen`` until it finishes, is cancelled or is asked to park.
+    """Run ``gen`` alone on sequence 0 of ``engine`` (see :func:`generate`)."""
+    return run_alone(engine, generate(engine, gen, emit, n_batch, kv, resume, ready, keep), 0)
+
+
+def run_alone(engine: Engine, run: Generator[Eval, np.ndarray, R], seq: int) -> R:
+    """Serve a generation's engine calls one by one on sequence ``seq``."""
+    try:
+        call = next(run)
+        while True:
+            call = run.send(engine.eval(call.tokens, call.pos, seq))
+    except StopIteration as stop:
+        result: R = stop.value
+        return result
+
+
+def generate(
+    engine: Engine,
+    gen: Generation,
+    emit: Emit,
+    n_batch: int,
+    kv: bytes | memoryview | None = None,
+    resume: bool = False,
+    ready: Callable[[], None] | None = None,
+    keep: int | None = None,
+    seq: int = 0,
+) -> Run:
+    """Run ``gen`` on sequence ``seq`` until it finishes, is cancelled or is asked
+    to park. The KV bookkeeping (clear, restore, truncate) is done on ``engine``
+    at once; the decode calls are yielded.
 
     ``kv`` restores a checkpoint of ``gen.n_past`` positions; with ``resume``
     and no ``kv`` the positions are replayed first. ``keep`` truncates a
@@ -77,12 +128,12 @@ def drive(
     cache holds the positions.
     """
     ids = gen.request.prompt_ids
-    engine.clear(0)
+    engine.clear(seq)
     if kv is not None:
-        engine.load_seq(kv)
+        engine.load_seq(kv, seq)
         if keep is not None:
-            engine.truncate(keep)
-    elif resume and (flags := _replay(engine, gen, n_batch, emit)):
+            engine.truncate(keep, seq)
+    elif resume and (flags := (yield from _replay(gen, n_batch, emit))):
         if flags & CANCEL:
             return Outcome("cancelled", [])
         return Outcome("parked", [], kv_valid=False)
@@ -92,7 +143,7 @@ def drive(
     while not gen.prefilled:
         start = gen.n_prefilled
         chunk = ids[start : start + n_batch]
-        logits = engine.eval(chunk, start)
+        logits = yield Eval(chunk, start)
         gen.n_prefilled = start + len(chunk)
         if not gen.prefilled:
             flags = emit([])
@@ -103,7 +154,7 @@ def drive(
     pos = gen.n_past
     pending = gen.pending
     if pending is not None:
-        logits = engine.eval([pending], pos)
+        logits = yield Eval([pending], pos)
         pos += 1
     assert logits is not None, "empty prompt"
     while True:
@@ -119,6 +170,6 @@ def drive(
             return Outcome("cancelled", [])
         if flags & PREEMPT:
             return Outcome("parked", [])
-        logits = engine.eval([token], pos)
+        logits = yield Eval([token], pos)
         pos += 1
     return Outcome("finished", payloads + gen.final_payloads())

@@ -95,6 +95,9 @@ class Reaped:
     worker: str
     job_id: str
     outcome: str  # "requeued", "failed" or "" (the worker held no job)
+    #: The worker's process (a process serving several sequences has one
+    #: worker name per sequence; its first one is the process's own name).
+    proc: str = ""
 
 
 class TransitionRefused(RuntimeError):
@@ -230,21 +233,25 @@ class Store:
         return [_text(n) for n in self.r.zrangebyscore(self.keys.workers, now, "+inf")]
 
     def worker_models(self, now: float) -> dict[str, ModelIdentity | None]:
-        """The live workers and the model each announced (None: announced none)."""
+        """The live worker processes and the model each announced (None: announced
+        none). A process's other sequences are not counted again."""
         alive = self.workers_alive(now)
         with self.r.pipeline(transaction=False) as p:
             for w in alive:
                 p.hgetall(self.keys.worker(w))
             rows = p.execute()
-        return {
-            w: ModelIdentity.from_fields({_text(a): _text(b) for a, b in row.items()})
-            for w, row in zip(alive, rows, strict=True)
-        }
+        out = {}
+        for w, row in zip(alive, rows, strict=True):
+            fields = {_text(a): _text(b) for a, b in row.items()}
+            if fields.get("proc", w) == w:
+                out[w] = ModelIdentity.from_fields(fields)
+        return out
 
     # -- preemption -------------------------------------------------------
 
-    def runners(self, now: float) -> tuple[list[Runner], int, list[str]]:
-        """Preemptible live runners, the number of idle live workers, their exec tokens.
+    def runners(self, now: float) -> tuple[list[Runner], int, list[str], list[str]]:
+        """Preemptible live runners, the number of idle live workers (a worker
+        process's free sequences each count), the runners' exec tokens and processes.
 
         Only workers that can run this store's jobs count (the same model, or
         one that announced none).
@@ -258,11 +265,13 @@ class Store:
         running = {_text(w) for w in running_raw}
         with self.r.pipeline(transaction=False) as p:
             for w in alive:
-                p.hmget(k.worker(w), "job", "exec", "since", "key", "pinned", "model_digest")
+                p.hmget(
+                    k.worker(w), "job", "exec", "since", "key", "pinned", "model_digest", "proc"
+                )
             rows = p.execute()
-        runners, tokens = [], []
+        runners, tokens, procs = [], [], []
         peers = working = 0
-        for w, (job, exec_, since, key, pinned, digest) in zip(alive, rows, strict=True):
+        for w, (job, exec_, since, key, pinned, digest, proc) in zip(alive, rows, strict=True):
             if self.model is not None and digest is not None and _text(digest) != self.model.digest:
                 continue  # serves another model: neither idle for us nor a victim
             peers += 1
@@ -273,9 +282,10 @@ class Store:
                 continue  # a worker that never parks is busy but no candidate
             runners.append(Runner(w, _text(job), float(key), float(since)))
             tokens.append(_text(exec_))
+            procs.append(w if proc is None else _text(proc))
         # A worker that just went idle counts as idle: no one is preempted for a
         # job it is about to claim.
-        return runners, peers - working, tokens
+        return runners, peers - working, tokens, procs
 
     def maybe_preempt(self, now: float) -> str | None:
         """Flag the worker whose job the best waiting job should interrupt.
@@ -290,7 +300,7 @@ class Store:
         head = self.r.zrange(self.keys.queue, 0, 15, withscores=True)
         if not head:
             return None
-        runners, idle, tokens = self.runners(now)
+        runners, idle, tokens, procs = self.runners(now)
         with self.r.pipeline(transaction=False) as p:
             p.zrangebyscore(self.keys.workers, now, "+inf")
             for raw_id, _ in head:
@@ -305,7 +315,7 @@ class Store:
                 and now - float(parked_at or 0) < self.settings.affinity_seconds
             )
             if bound:
-                only = [r for r in runners if r.worker == _text(holder)]
+                only = [r for r, proc in zip(runners, procs, strict=True) if proc == _text(holder)]
                 if not only:
                     continue  # the holder is idle (it takes the job) or busy unpreemptibly
                 victim = choose_victim(self.preempt_policy, -float(score), only, 0, now)
@@ -328,9 +338,18 @@ class Store:
         self.r.hset(self.keys.worker(worker), "preempt", "1")
 
     def heartbeat(
-        self, worker: str, now: float, ttl: float, checkpoint_bytes: int = 0, rss_bytes: int = 0
+        self,
+        worker: str,
+        now: float,
+        ttl: float,
+        checkpoint_bytes: int = 0,
+        rss_bytes: int = 0,
+        proc: str | None = None,
     ) -> None:
+        """Announce ``worker`` alive until ``now + ttl``; ``proc``: its process's
+        name, when the process serves several sequences."""
         fields: dict[str, str | int] = {
+            "proc": proc or worker,
             "checkpoint_bytes": checkpoint_bytes,
             "rss_bytes": rss_bytes,
             "named": "1" if self.named_connection() else "0",
@@ -358,13 +377,16 @@ class Store:
         alive = [w for w in self.workers_alive(now) if w != me]
         with self.r.pipeline(transaction=False) as p:
             for w in alive:
-                p.hget(self.keys.worker(w), "named")
-            named = p.execute()
-        return [
-            w
-            for w, flag in zip(alive, named, strict=True)
-            if flag is not None and _text(flag) == "1" and self.keys.client_name(w) not in names
-        ]
+                p.hmget(self.keys.worker(w), "named", "proc")
+            rows = p.execute()
+        gone = []
+        for w, (flag, proc) in zip(alive, rows, strict=True):
+            process = w if proc is None else _text(proc)
+            if process == me or flag is None or _text(flag) != "1":
+                continue
+            if self.keys.client_name(process) not in names:
+                gone.append(w)
+        return gone
 
     def drop_retired_keys(self) -> None:
         """Delete keys that earlier versions wrote and this one no longer uses."""
@@ -394,7 +416,8 @@ class Store:
         """Block until a job is enqueued or parked, or ``timeout`` passes."""
         self.r.blpop([self.keys.wake], timeout=timeout)
 
-    def claim(self, worker: str, now: float) -> Claim | None:
+    def claim(self, worker: str, now: float, proc: str | None = None) -> Claim | None:
+        """Claim the best waiting job for ``worker`` (a sequence of process ``proc``)."""
         k = self.keys
         got = self._run(
             "claim",
@@ -408,6 +431,7 @@ class Store:
                 16,
                 "0" if self.settings.preempt else "1",
                 self.model.digest if self.model else "",
+                proc or worker,
             ],
         )
         if not got:
@@ -491,8 +515,17 @@ class Store:
         if result == -2:
             raise TransitionRefused(job_id, state)
 
-    def park(self, job_id: str, exec_token: str, worker: str, checkpoint: str, now: float) -> str:
-        """Requeue a running job with its checkpoint; 'parked' or 'cancelled'."""
+    def park(
+        self,
+        job_id: str,
+        exec_token: str,
+        worker: str,
+        checkpoint: str,
+        now: float,
+        holder: str | None = None,
+    ) -> str:
+        """Requeue a running job with its checkpoint; 'parked' or 'cancelled'.
+        ``holder``: the process whose memory keeps the job's KV (default ``worker``)."""
         k = self.keys
         result = self._run(
             "park",
@@ -504,6 +537,7 @@ class Store:
                 worker,
                 k.channel(job_id),
                 self.result_ttl,
+                holder or worker,
                 *CANCEL_EVENTS,
             ],
         )
@@ -537,7 +571,7 @@ class Store:
             ],
         )
         items = [_text(x) for x in flat]
-        return [Reaped(*items[i : i + 3]) for i in range(0, len(items), 3)]
+        return [Reaped(*items[i : i + 4]) for i in range(0, len(items), 4)]
 
     def record(self, **samples: float) -> None:
         """Keep recent measurements (the last 1,000 of each) for benchmarks and metrics."""

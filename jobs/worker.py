@@ -1,10 +1,16 @@
-"""The worker process: claim the best job, run it on the engine, repeat.
+"""The worker process: claim the best jobs, run them on the engine, repeat.
 
 One process per GPU, no fork (llama.cpp's thread pool does not survive one),
-the model loaded once. The loop is: beat and reap, claim, run until the job
-finishes, is cancelled or is parked; a parked job's KV goes to the RAM
-checkpoint store and its generation state to Redis, so it resumes here
-without a copy of the prompt, or anywhere by replay.
+the model loaded once. The engine serves ``PARKQ_MAX_SEQS`` sequences; each
+is a worker of its own to the scheduler (a name, a heartbeat, a claim, a
+preempt flag; sequence 0 carries the process's name, the others
+``<name>/<i>``), so victim choice, fencing and crash recovery work per
+sequence. The loop is: beat and reap, claim into free sequences, then one
+step: one engine call decodes a token of every decoding sequence, and at
+most one prefill chunk runs in a call of its own. A generation runs until it
+finishes, is cancelled or is parked; a parked job's KV goes to the process's
+RAM checkpoint store and its generation state to Redis, so it resumes in this
+process without a copy of the prompt, or anywhere by replay.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 import redis
 
 from jobs.batches import BatchStore
@@ -27,7 +35,7 @@ from jobs.events import DONE, error_event
 from jobs.generation import Generation, GenerationRequest
 from jobs.identity import ModelIdentity
 from jobs.rqjobs import RQBridge
-from jobs.runner import CANCEL, PREEMPT, Outcome, drive
+from jobs.runner import CANCEL, PREEMPT, Eval, Outcome, generate, run_alone
 from jobs.store import CANCEL_EVENTS, Claim, Fenced, Store, TransitionRefused
 from scheduler.policy import PRIORITY_LEVELS, priority_label
 from scheduler.settings import Settings
@@ -46,6 +54,29 @@ CONN_CHECK_SECONDS = 0.5
 
 def default_worker_name() -> str:
     return f"{socket.gethostname()}.{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One sequence of the engine: a worker of its own to the scheduler."""
+
+    name: str
+    seq: int
+
+
+@dataclass
+class _Running:
+    """A generation in progress on a slot, and the engine call it waits for."""
+
+    slot: Slot
+    job_id: str
+    run: Generator[Eval, np.ndarray, None]
+    call: Eval
+
+
+#: A sequence that is free claims at the next step when a step write saw a
+#: waiting job, else at least this often.
+CLAIM_SECONDS = 0.1
 
 
 def resident_bytes() -> int:
@@ -71,6 +102,11 @@ class Worker:
         self.store = Store(client, settings, model)
         self.rq = RQBridge(client, settings.queue_name, settings.result_ttl)
         self.name = name or settings.worker_name or default_worker_name()
+        n_seqs = int(getattr(engine, "n_seq_max", 1))
+        self.slots = [Slot(self.name if i == 0 else f"{self.name}/{i}", i) for i in range(n_seqs)]
+        self._running: dict[int, _Running] = {}
+        self._next_claim = 0.0
+        self._work_waiting = False
         self.checkpoints = CheckpointStore(settings.checkpoint_bytes)
         self.prefixes = PrefixCache(settings.prefix_cache_bytes)
         self.stopping = threading.Event()
@@ -89,7 +125,7 @@ class Worker:
         # `restart:`) is that name's previous life, not a live twin: it takes
         # over what the previous instance held (its jobs are requeued now, not
         # after the TTL) before its own first heartbeat refreshes the name.
-        if self.store.retire_worker(self.name):
+        if any([self.store.retire_worker(slot.name) for slot in self.slots]):
             log.warning(
                 "worker %s: a previous instance under this name did not sign off; "
                 "taking over its jobs",
@@ -101,21 +137,28 @@ class Worker:
         self.rq.register_worker(self.name)
         self.beat()
         served = f"serving {self.store.model.describe()}, " if self.store.model else ""
-        log.info("worker %s ready (%sn_ctx=%d)", self.name, served, self.engine.n_ctx)
+        log.info(
+            "worker %s ready (%sn_ctx=%d, %d sequence%s)",
+            self.name,
+            served,
+            self.engine.n_ctx,
+            len(self.slots),
+            "" if len(self.slots) == 1 else "s",
+        )
         backoff = 0.0
         try:
-            while not self.stopping.is_set():
+            while not self.stopping.is_set() or self._running:
                 try:
                     self.beat(force=False)
                     self._reap_disconnected(time.time())
-                    claim = self.store.claim(self.name, time.time())
-                    if claim is None:
+                    if not self.stopping.is_set():
+                        self._admit()
+                    if self._running:
+                        self._step()
+                    elif not self.stopping.is_set():
                         self.store.wait_for_work(
                             timeout=min(CONN_CHECK_SECONDS, self.settings.heartbeat_seconds)
                         )
-                    else:
-                        self.execute(claim)
-                        self._feed_batch(claim.job_id)
                     backoff = 0.0
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     # Redis restarting: wait and carry on (its AOF keeps the jobs).
@@ -126,7 +169,8 @@ class Worker:
                     time.sleep(backoff)
         finally:
             try:
-                self.store.remove_worker(self.name)
+                for slot in self.slots:
+                    self.store.remove_worker(slot.name)
                 self.rq.unregister_worker()
             except redis.ConnectionError:
                 log.warning("worker %s: Redis gone; could not sign off", self.name)
@@ -134,6 +178,70 @@ class Worker:
 
     def stop(self) -> None:
         self.stopping.set()
+
+    # -- sequences --------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Claim jobs into free sequences: at once when idle, else when a step
+        saw a waiting job (or every CLAIM_SECONDS)."""
+        free = [s for s in self.slots if s.seq not in self._running]
+        if not free:
+            return
+        now_m = time.monotonic()
+        if self._running and not self._work_waiting and now_m < self._next_claim:
+            return
+        self._next_claim = now_m + CLAIM_SECONDS
+        self._work_waiting = False
+        for slot in free:
+            claim = self.store.claim(slot.name, time.time(), self.name)
+            if claim is None:
+                return
+            self._start(slot, claim)
+
+    def _start(self, slot: Slot, claim: Claim) -> None:
+        run = self._execution(slot, claim)
+        try:
+            call = next(run)
+        except StopIteration:  # ended before it needed the engine
+            self._feed_batch(claim.job_id)
+            return
+        self._running[slot.seq] = _Running(slot, claim.job_id, run, call)
+
+    def _step(self) -> None:
+        """One engine step: a token of every decoding sequence in one call, then
+        at most one prefill chunk (the longest-waiting sequence's) in its own,
+        with the same chunk boundaries it has alone."""
+        decoding = [r for r in self._running.values() if len(r.call.tokens) == 1]
+        prefilling = [r for r in self._running.values() if len(r.call.tokens) > 1]
+        if len(decoding) == 1 and not prefilling:
+            r = decoding[0]
+            self._serve([r], lambda: [self.engine.eval(r.call.tokens, r.call.pos, r.slot.seq)])
+        elif decoding:
+            steps = [(r.slot.seq, r.call.tokens[0], r.call.pos) for r in decoding]
+            self._serve(decoding, lambda: self.engine.decode(steps))
+        if prefilling:
+            r = prefilling[0]
+            self._serve([r], lambda: [self.engine.eval(r.call.tokens, r.call.pos, r.slot.seq)])
+
+    def _serve(self, runs: list[_Running], call: Callable[[], list[np.ndarray]]) -> None:
+        """Make one engine call for ``runs`` and send each its logits (or the
+        engine's error); a generation that ends frees its sequence."""
+        try:
+            results: list[np.ndarray | EngineError] = list(call())
+        except EngineError as exc:
+            results = [exc] * len(runs)
+        for r, result in zip(runs, results, strict=True):
+            try:
+                if isinstance(result, EngineError):
+                    r.call = r.run.throw(result)
+                else:
+                    r.call = r.run.send(result)
+            except StopIteration:
+                del self._running[r.slot.seq]
+                self._feed_batch(r.job_id)
+            except BaseException:
+                del self._running[r.slot.seq]  # a Redis outage past the retries
+                raise
 
     def beat(self, force: bool = True) -> None:
         """Heartbeat; requeue dead workers' jobs; free checkpoints of ended jobs."""
@@ -179,9 +287,10 @@ class Worker:
         # Reap before the heartbeat: a beat must never refresh a dead worker of
         # the same name before its jobs are requeued.
         self._reap(now)
-        self.store.heartbeat(
-            self.name, now, self.settings.worker_ttl, self.checkpoints.bytes, resident_bytes()
-        )
+        held, rss = self.checkpoints.bytes, resident_bytes()
+        for slot in self.slots:  # the process's figures once, on its own name
+            self.store.heartbeat(slot.name, now, self.settings.worker_ttl, held, rss, self.name)
+            held = rss = 0
         self.rq.heartbeat(int(self.settings.worker_ttl) + 60)
         held = self.checkpoints.job_ids()
         if held:
@@ -194,7 +303,8 @@ class Worker:
         """Requeue (or fail) the jobs of workers whose liveness expired; this worker's
         own name only for its previous life (at start), never while it runs."""
         for reaped in self.store.reap(now, "" if previous_life else self.name):
-            self.rq.forget_worker(reaped.worker)
+            if reaped.proc in ("", reaped.worker):  # a process's own name is RQ's worker
+                self.rq.forget_worker(reaped.worker)
             if not reaped.job_id:
                 continue
             log.warning(
@@ -215,6 +325,12 @@ class Worker:
     # -- one job ----------------------------------------------------------
 
     def execute(self, claim: Claim) -> None:
+        """Run one claimed job alone on sequence 0 until it leaves the engine."""
+        run_alone(self.engine, self._execution(self.slots[0], claim), 0)
+
+    def _execution(self, slot: Slot, claim: Claim) -> Generator[Eval, np.ndarray, None]:
+        """One claimed job on ``slot``, from its first read to its last write;
+        yields the engine calls of its generation."""
         t_claim = time.perf_counter()
         job_id, token = claim.job_id, claim.exec_token
         # Between the claim and the first fenced write nothing may drop the job on
@@ -224,7 +340,7 @@ class Worker:
             return
         if not self._retrying(lambda: self.rq.allowed(job_id)):
             log.warning("job %s: refused, not a parkq job", job_id)
-            self._fail(claim, "refused: not a parkq job", "invalid_job")
+            self._fail(slot, claim, "refused: not a parkq job", "invalid_job")
             return
         request = GenerationRequest.from_json(json.loads(record["request"]))
         saved = record.get("checkpoint")
@@ -245,7 +361,7 @@ class Worker:
             "job %s: %s on %s (%d prompt tokens, %d generated, %s)",
             job_id,
             "resuming" if resume else "running",
-            self.name,
+            slot.name,
             len(request.prompt_ids),
             len(gen.generated),
             "from its checkpoint"
@@ -267,7 +383,7 @@ class Worker:
         detached = record.get("detached_at")
         if detached and self._abandoned(request_level, float(detached)):
             log.info("job %s: its client left before it ran", job_id)
-            self._end(claim, gen, Outcome("cancelled", []), client_gone=True)
+            self._end(slot, claim, gen, Outcome("cancelled", []), client_gone=True)
             return
 
         # Tokens of steps faster than the write interval wait here for one write:
@@ -298,13 +414,15 @@ class Worker:
                 timing["last"] = now
             step = self._retrying(
                 lambda: self.store.step(
-                    job_id, token, self.name, len(gen.generated), first, payloads, latency
+                    job_id, token, slot.name, len(gen.generated), first, payloads, latency
                 )
             )
+            if step.head_key is not None:
+                self._work_waiting = True
             if self.stopping.is_set():
                 # Shutting down: park (at the next step), so another worker resumes it.
                 if not step.flags & (CANCEL | PREEMPT):
-                    self.store.request_park(self.name)
+                    self.store.request_park(slot.name)
                 return step.flags
             if step.detached_at is not None and self._abandoned(request_level, step.detached_at):
                 gone["yes"] = True
@@ -323,7 +441,7 @@ class Worker:
                 self._metric(lambda: self.store.observe("resume_ms", resume_ms))
 
         try:
-            outcome = drive(
+            outcome = yield from generate(
                 self.engine,
                 gen,
                 emit,
@@ -332,24 +450,25 @@ class Worker:
                 resume=resume,
                 ready=ready,
                 keep=keep,
+                seq=slot.seq,
             )
         except Fenced:
             log.warning("job %s: execution %s was superseded; dropping it", job_id, token)
             return
         except (EngineError, ValueError) as exc:
             log.exception("job %s: engine error", job_id)
-            self._fail(claim, f"engine error: {exc}", "engine_error")
+            self._fail(slot, claim, f"engine error: {exc}", "engine_error")
             return
         if outcome.state == "parked":
-            self._park(claim, gen, with_kv=outcome.kv_valid)
+            self._park(slot, claim, gen, with_kv=outcome.kv_valid)
             return
         if unwritten:  # the last steps' tokens go out with the final events
             outcome = Outcome(outcome.state, [*unwritten, *outcome.payloads])
-        self._end(claim, gen, outcome, client_gone=gone["yes"])
+        self._end(slot, claim, gen, outcome, client_gone=gone["yes"])
         # Keep the prompt's KV for a request that starts the same way (the next turn).
         long_prompt = len(request.prompt_ids) >= 2 * self.settings.n_batch
         if outcome.state == "finished" and long_prompt and self.prefixes.budget:
-            self.prefixes.put(request.prompt_ids, self.engine.save_seq(0))
+            self.prefixes.put(request.prompt_ids, self.engine.save_seq(slot.seq))
 
     def _checkpoint_for(
         self, job_id: str, record: dict[str, str], gen: Generation
@@ -381,14 +500,16 @@ class Worker:
         last["head"], last["at"] = head_key, now
         self.store.maybe_preempt(now)
 
-    def _park(self, claim: Claim, gen: Generation, with_kv: bool = True) -> None:
+    def _park(self, slot: Slot, claim: Claim, gen: Generation, with_kv: bool = True) -> None:
         job_id = claim.job_id
         t0 = time.perf_counter()
-        kv = self.engine.save_seq(0) if with_kv else b""  # b"": resumed by replay
+        kv = self.engine.save_seq(slot.seq) if with_kv else b""  # b"": resumed by replay
         state = json.dumps(gen.state(), separators=(",", ":"))
         try:
             outcome = self._retrying(
-                lambda: self.store.park(job_id, claim.exec_token, self.name, state, time.time())
+                lambda: self.store.park(
+                    job_id, claim.exec_token, slot.name, state, time.time(), self.name
+                )
             )
         except Fenced:
             return
@@ -400,7 +521,7 @@ class Worker:
             self._metric(lambda: self.store.observe("park_ms", park_ms))
             self._metric(lambda: self.store.count("preemptions"))
             n = len(gen.generated)
-            self._metric(lambda: self.store.log_preemption(job_id, self.name, n, park_ms))
+            self._metric(lambda: self.store.log_preemption(job_id, slot.name, n, park_ms))
             self.rq.requeued(job_id)
             log.info(
                 "job %s: parked after %d tokens (%d KV bytes, %.1f ms)",
@@ -441,7 +562,12 @@ class Worker:
         return level > PRIORITY_LEVELS["batch"] and time.time() - detached_at > grace
 
     def _end(
-        self, claim: Claim, gen: Generation, outcome: Outcome, client_gone: bool = False
+        self,
+        slot: Slot,
+        claim: Claim,
+        gen: Generation,
+        outcome: Outcome,
+        client_gone: bool = False,
     ) -> None:
         job_id = claim.job_id
         if outcome.state == "cancelled" and client_gone:
@@ -466,7 +592,7 @@ class Worker:
         try:
             self._retrying(
                 lambda: self.store.finish(
-                    job_id, claim.exec_token, self.name, state, fields, first, payloads, time.time()
+                    job_id, claim.exec_token, slot.name, state, fields, first, payloads, time.time()
                 )
             )
         except Fenced:
@@ -487,13 +613,13 @@ class Worker:
             len(gen.generated),
         )
 
-    def _fail(self, claim: Claim, message: str, code: str) -> None:
+    def _fail(self, slot: Slot, claim: Claim, message: str, code: str) -> None:
         payloads = [error_event(message, "server_error", code), DONE]
         try:
             self.store.finish(
                 claim.job_id,
                 claim.exec_token,
-                self.name,
+                slot.name,
                 JobState.FAILED,
                 {"error": message},
                 0,

@@ -61,6 +61,14 @@ class Settings(BaseSettings):
     )
     n_ctx: int = Field(4096, ge=0, description="Context size; 0 means the model's training size.")
     n_batch: int = Field(256, ge=1, description="Prefill chunk size in tokens.")
+    max_seqs: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Sequences one worker generates at once (continuous batching): each "
+        "step decodes one token of every running sequence in one engine call. Each "
+        "sequence has its own n_ctx positions of KV memory.",
+    )
     n_threads: int | None = Field(
         None, ge=1, description="Decode threads; unset: one per available core."
     )

@@ -5,8 +5,9 @@ Run as ``python -m tests.faultworker --name NAME`` (the arguments of
 
 - ``PARKQ_TEST_PREFILL_DELAY_SECONDS``: every multi-token engine call (a prompt
   chunk) first sleeps this long: a slow model's prefill or re-prefill.
-- ``PARKQ_TEST_DECODE_DELAY_SECONDS``: every one-token engine call first sleeps
-  this long: a slow model's decode (and replay), whatever this machine's speed.
+- ``PARKQ_TEST_DECODE_DELAY_SECONDS``: every decode step (one token, or one
+  token of each of several sequences) first sleeps this long: a slow model's
+  decode (and replay), whatever this machine's speed.
 - ``PARKQ_TEST_DIE_AFTER_TOKENS``: the process SIGKILLs itself right after a step
   write has recorded this many generated tokens of a job.
 - ``PARKQ_TEST_STOP_AFTER_TOKENS``: the process asks itself to stop (SIGTERM: it
@@ -56,6 +57,15 @@ def _install() -> None:
             return original_eval(self, tokens, pos, seq)
 
         LlamaEngine.eval = slow_eval  # type: ignore[method-assign]
+        original_decode = LlamaEngine._decode
+
+        def slow_decode(
+            self: LlamaEngine, steps: Sequence[tuple[int, int, int]]
+        ) -> list[np.ndarray]:
+            time.sleep(decode)  # one batched step of several sequences
+            return original_decode(self, steps)
+
+        LlamaEngine._decode = slow_decode  # type: ignore[method-assign]
 
     def after(method: str, hook: Callable[[Any, tuple[Any, ...], Any], None]) -> None:
         original = getattr(Store, method)

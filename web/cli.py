@@ -284,11 +284,21 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
             n_ctx=settings.n_ctx,
             n_batch=settings.n_batch,
             n_threads=settings.n_threads,
+            n_seq_max=settings.max_seqs,
             chat_format=settings.chat_format,
             extra_buffers=kernels.extra_buffers,
         )
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(f"cannot load the model {settings.model}: {exc}") from None
+    if settings.max_seqs > 1:
+        engine.batched = engine.batch_invariant()
+        log.info(
+            "%d sequences per step: %s",
+            settings.max_seqs,
+            "one engine call for all (batch-invariant kernels)"
+            if engine.batched
+            else "one engine call each (these kernels are not batch-invariant)",
+        )
     identity = identify(
         model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir
     )

@@ -3,11 +3,12 @@
 -- ARGV: job key prefix, worker name, now, claimable states (comma separated),
 --       affinity seconds, how many queue entries to consider, '1' if the
 --       worker never parks (then no one asks it to), the digest of the
---       worker's model ('' for any)
+--       worker's model ('' for any), the name of the worker's process (its
+--       sequences share the process's checkpoints)
 -- A job stamped with another model's digest is left for a worker serving that
 -- model: its token ids mean nothing to this one.
--- A parked job whose checkpoint lives on another live worker is left to that
--- worker for `affinity seconds` after it was parked; then anyone may take it.
+-- A parked job whose checkpoint lives in another live worker process is left to
+-- that process for `affinity seconds` after it was parked; then anyone may take it.
 -- Returns {id, execution token, previous state} or false when nothing fits.
 local claimable = state_set(ARGV[4])
 local now = tonumber(ARGV[3])
@@ -26,7 +27,7 @@ for _, id in ipairs(top) do
     elseif state == 'parked' then
       local holder = redis.call('HGET', job, 'ckpt_worker')
       local parked_at = tonumber(redis.call('HGET', job, 'parked_at') or '0')
-      if holder and holder ~= ARGV[2] and now - parked_at < affinity then
+      if holder and holder ~= ARGV[9] and now - parked_at < affinity then
         local alive = tonumber(redis.call('ZSCORE', KEYS[4], holder) or '0')
         if alive > now then mine = false end
       end

@@ -3,21 +3,21 @@
 -- A cancel that arrived while it was parking wins: the job ends cancelled.
 -- KEYS: job hash, queue zset, worker hash, running zset, wake list, events stream
 -- ARGV: execution token, now, checkpoint (JSON), worker name, channel, ttl,
---       cancel payloads...
+--       the checkpoint's holder (the worker's process), cancel payloads...
 -- Returns -1 when the execution token is stale, else 'parked' or 'cancelled'.
 if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
   return -1
 end
 release_worker(KEYS[3], KEYS[4], ARGV[4], ARGV[1])
 if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then
-  emit_after(KEYS[1], KEYS[6], ARGV[5], 7)
+  emit_after(KEYS[1], KEYS[6], ARGV[5], 8)
   redis.call('HSET', KEYS[1], 'finish_reason', 'cancelled')
   end_job(KEYS[1], KEYS[6], 'cancelled', ARGV[2], ARGV[6])
   return 'cancelled'
 end
 local id = redis.call('HGET', KEYS[1], 'id')
 redis.call('HSET', KEYS[1], 'state', 'parked', 'checkpoint', ARGV[3],
-           'ckpt_worker', ARGV[4], 'ckpt_exec', ARGV[1], 'parked_at', ARGV[2])
+           'ckpt_worker', ARGV[7], 'ckpt_exec', ARGV[1], 'parked_at', ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'preemptions', 1)
 redis.call('ZADD', KEYS[2], redis.call('HGET', KEYS[1], 'score'), id)
 redis.call('LPUSH', KEYS[5], id)

@@ -1,23 +1,27 @@
 -- Requeue the jobs of workers whose heartbeat expired, and forget the workers.
 -- KEYS: workers zset, queue zset, running zset, wake list
 -- ARGV: now, job key prefix, worker key prefix, events key prefix, channel
---       prefix, crash limit, ttl, the reaping worker's name ('' for none),
+--       prefix, crash limit, ttl, the reaping worker process's name ('' for none;
+--       none of its sequences is reaped),
 --       failure payloads...
 -- A job whose worker died while running it goes back to the queue with its
 -- original score; it resumes from its last checkpoint (or from the start),
 -- and its stream continues without duplicates. A job that has lost its worker
 -- `crash limit` times fails instead.
--- Returns a flat list: worker, job id or '', outcome ('requeued', 'failed', '').
+-- Returns a flat list: worker, job id or '', outcome ('requeued', 'failed', ''),
+-- the worker's process.
 local out = {}
 local dead = {}
 for _, w in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1])) do
-  if w ~= ARGV[8] then  -- the reaper itself is alive, if late (a stall past its TTL)
+  local proc = redis.call('HGET', ARGV[3] .. w, 'proc') or w
+  if w ~= ARGV[8] and proc ~= ARGV[8] then  -- the reaper is alive, if late (a stall)
     table.insert(dead, w)
   end
 end
 for _, w in ipairs(dead) do
   local wkey = ARGV[3] .. w
   local id = redis.call('HGET', wkey, 'job')
+  local proc = redis.call('HGET', wkey, 'proc') or w
   local exec = redis.call('HGET', wkey, 'exec')
   local outcome = ''
   if id then
@@ -46,5 +50,6 @@ for _, w in ipairs(dead) do
   table.insert(out, w)
   table.insert(out, id or '')
   table.insert(out, outcome)
+  table.insert(out, proc)
 end
 return out

@@ -195,7 +195,7 @@ def test_a_worker_that_just_went_idle_is_not_counted_busy(store: Store) -> None:
 
     store.r.pipeline = pipeline  # type: ignore[method-assign]
     try:
-        runners, idle, _ = store.runners(20.0)
+        runners, idle, _, _ = store.runners(20.0)
     finally:
         store.r.pipeline = real_pipeline  # type: ignore[method-assign]
     assert [r.job_id for r in runners] == ["high"]

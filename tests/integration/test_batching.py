@@ -1,0 +1,219 @@
+"""Continuous batching: several sequences per engine, each still token-exact.
+
+The engine's own promise first (real llama.cpp, every weight type the tests
+have): a sequence decoded beside others gives the logits it gets alone, bit for
+bit; one engine call for all where the kernels allow it (the engine probes
+that), one call each where they do not. Then real workers with
+``PARKQ_MAX_SEQS`` > 1: concurrent jobs run side by side and each streams what a
+one-sequence worker streams; a full engine parks its lowest job for a better
+one; a SIGKILLed worker's sequences all resume elsewhere; a worker restarted
+under its old name takes its sequences back.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jobs.engine import LlamaEngine
+from jobs.testmodel import write_test_model
+from tests.integration.helpers import (
+    completion_text,
+    job,
+    logprob_tokens,
+    read_events,
+    submit_stream,
+    wait_until,
+)
+from tests.integration.test_parking import _long
+from tests.integration.test_workers import Cluster, running_cluster
+
+N_BATCH = 16
+
+
+@pytest.fixture(scope="module", params=["f32", "q8_0", "q4_0"])
+def any_model(request, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp(f"batch-{request.param}")
+    return write_test_model(root / f"tiny-{request.param}.gguf", seed=0, quant=request.param)
+
+
+@pytest.fixture(scope="module")
+def q8_model(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("batch-q8")
+    return write_test_model(root / "tiny-q8_0.gguf", seed=0, quant="q8_0")
+
+
+def _engine(model: Path, n_seq_max: int) -> LlamaEngine:
+    return LlamaEngine(
+        str(model), n_ctx=512, n_batch=N_BATCH, n_threads=1, n_seq_max=n_seq_max,
+        extra_buffers=False,
+    )  # fmt: skip
+
+
+def _prefill(engine: LlamaEngine, ids: list[int], seq: int) -> np.ndarray:
+    logits = None
+    for start in range(0, len(ids), N_BATCH):
+        logits = engine.eval(ids[start : start + N_BATCH], start, seq)
+    assert logits is not None
+    return logits
+
+
+PROMPTS = ["The first one", "A second, longer prompt that spans several chunks " * 2,
+           "Third", "The fourth arrives while the others decode"]  # fmt: skip
+STEPS = 40
+
+
+def test_a_sequence_decoded_beside_others_gets_the_logits_it_gets_alone(any_model: Path) -> None:
+    alone = []
+    for prompt in PROMPTS:
+        engine = _engine(any_model, 1)
+        ids = engine.tokenize(prompt)
+        out = [_prefill(engine, ids, 0)]
+        for i in range(STEPS):
+            out.append(engine.eval([int(np.argmax(out[-1]))], len(ids) + i, 0))
+        alone.append(out)
+        engine.close()
+
+    engine = _engine(any_model, 4)
+    engine.batched = engine.batch_invariant()
+    print(f"\n{any_model.name}: batch-invariant kernels: {engine.batched}")
+    got: dict[int, list[np.ndarray]] = {}
+    pos: dict[int, int] = {}
+
+    def admit(seq: int) -> None:
+        ids = engine.tokenize(PROMPTS[seq])
+        got[seq], pos[seq] = [_prefill(engine, ids, seq)], len(ids)
+
+    for seq in (0, 1, 2):
+        admit(seq)
+    for step in range(STEPS + 6):
+        if step == 6:
+            admit(3)  # joins later: its prefill runs in calls of its own, between steps
+        if step == 20:
+            engine.clear(1)  # leaves early: its cells are freed
+            del pos[1]
+        calls = [(s, int(np.argmax(got[s][-1])), pos[s]) for s in pos if len(got[s]) <= STEPS]
+        for (s, _, _), logits in zip(calls, engine.decode(calls), strict=True):
+            got[s].append(logits)
+            pos[s] += 1
+    engine.close()
+    for seq, logits in got.items():
+        assert len(logits) == (21 if seq == 1 else STEPS + 1)
+        for i, (a, b) in enumerate(zip(alone[seq], logits, strict=False)):
+            assert np.array_equal(a, b), f"sequence {seq} differs at step {i}"
+
+
+def _concurrent(c: Cluster, bodies: list[dict]) -> tuple[list[str], list[list[tuple[int, str]]]]:
+    """Submit every body at once; read the streams side by side."""
+    results: list[list[tuple[int, str]]] = [[] for _ in bodies]
+    resps = [submit_stream(c.base_url, body) for body in bodies]
+
+    def read(i: int) -> None:
+        results[i] = read_events(resps[i])
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return [r.headers["X-Job-Id"] for r in resps], results
+
+
+def _bodies() -> list[dict]:
+    return [
+        _long(0.0 if i % 2 else 0.8, max_tokens=600, prompt=f"Sequence {i} of the batch", seed=i)
+        for i in range(6)
+    ]
+
+
+@pytest.fixture(scope="module")
+def references(redis_server, q8_model: Path, tmp_path_factory) -> list[list[tuple[int, str]]]:
+    """Each body's stream from a one-sequence worker, one job at a time."""
+    root = tmp_path_factory.mktemp("batch-ref")
+    with running_cluster(redis_server.url, q8_model, root, "batchref", ("one",)) as c:
+        return [read_events(submit_stream(c.base_url, body)) for body in _bodies()]
+
+
+@pytest.fixture
+def batching(redis_server, q8_model: Path, tmp_path: Path) -> Iterator[Cluster]:
+    prefix = f"batch{time.monotonic_ns()}"
+    with running_cluster(redis_server.url, q8_model, tmp_path, prefix, ()) as c:
+        yield c
+
+
+#: Four sequences per worker, each decode step at least 1 ms: jobs of 600
+#: tokens run long enough to overlap whatever the machine's speed.
+FOUR = {"PARKQ_MAX_SEQS": "4", "PARKQ_TEST_DECODE_DELAY_SECONDS": "0.001"}
+
+
+@pytest.mark.timeout(300)
+def test_concurrent_jobs_run_side_by_side_and_each_streams_what_it_streams_alone(
+    batching: Cluster, references: list[list[tuple[int, str]]]
+) -> None:
+    c = batching
+    c.start_worker("quad", env=FOUR)
+    wait_until(lambda: c.workers_alive() == 1, timeout=60)  # one process, four sequences
+    ids, results = _concurrent(c, _bodies())
+    for got, ref in zip(results, references, strict=True):
+        assert [i for i, _ in got] == list(range(1, len(got) + 1))
+        assert completion_text(got) == completion_text(ref)
+        assert logprob_tokens(got) == logprob_tokens(ref)
+    # They ran together, on the four sequences of one process.
+    assert {job(c.base_url, j)["worker"] for j in ids} == {"quad", "quad/1", "quad/2", "quad/3"}
+
+
+@pytest.mark.timeout(300)
+def test_a_full_engine_parks_its_lowest_sequence_for_a_better_job(
+    batching: Cluster, references: list[list[tuple[int, str]]]
+) -> None:
+    c = batching
+    c.start_worker("pair", env={**FOUR, "PARKQ_MAX_SEQS": "2"})
+    wait_until(lambda: c.workers_alive() == 1, timeout=60)
+    bodies = _bodies()[:2]
+    resps = [submit_stream(c.base_url, body) for body in bodies]
+    ids = [r.headers["X-Job-Id"] for r in resps]
+    wait_until(lambda: all(job(c.base_url, j)["state"] == "running" for j in ids), timeout=60)
+    short = read_events(
+        submit_stream(c.base_url, {"prompt": "hi", "max_tokens": 8, "priority": "interactive"})
+    )
+    assert short[-1][1] == "[DONE]"
+    streams = [read_events(r) for r in resps]
+    assert sum(job(c.base_url, j)["preemptions"] for j in ids) == 1  # one sequence made room
+    for got, ref in zip(streams, references[:2], strict=True):
+        assert [i for i, _ in got] == list(range(1, len(got) + 1))
+        assert completion_text(got) == completion_text(ref)
+        assert logprob_tokens(got) == logprob_tokens(ref)
+
+
+@pytest.mark.timeout(300)
+def test_a_sigkilled_worker_s_sequences_all_resume_and_its_old_name_takes_them_back(
+    batching: Cluster, references: list[list[tuple[int, str]]]
+) -> None:
+    c = batching
+    c.start_worker("gpu0", env=FOUR)
+    wait_until(lambda: c.workers_alive() == 1, timeout=60)
+    bodies = _bodies()[:4]
+    resps = [submit_stream(c.base_url, body) for body in bodies]
+    ids = [r.headers["X-Job-Id"] for r in resps]
+    wait_until(lambda: all(job(c.base_url, j)["tokens"] > 50 for j in ids), timeout=60)
+    workers = {job(c.base_url, j)["worker"] for j in ids}
+    assert workers == {"gpu0", "gpu0/1", "gpu0/2", "gpu0/3"}  # one job per sequence
+    c.procs["gpu0"].send_signal(signal.SIGKILL)
+    c.procs["gpu0"].wait()
+    c.start_worker("gpu0", env=FOUR)  # restarted under its old name, at once
+    streams = []
+    for r in resps:
+        streams.append(read_events(r))
+        r.close()
+    for got, ref in zip(streams, references[:4], strict=True):
+        assert [i for i, _ in got] == list(range(1, len(got) + 1))
+        assert completion_text(got) == completion_text(ref)
+        assert logprob_tokens(got) == logprob_tokens(ref)
+    assert all(job(c.base_url, j)["state"] == "finished" for j in ids)
+    assert c.procs["gpu0"].poll() is None
