@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -37,6 +37,7 @@ from jobs.identity import ModelIdentity
 from jobs.rqjobs import RQBridge
 from jobs.runner import CANCEL, PREEMPT, Eval, Outcome, generate, run_alone
 from jobs.store import CANCEL_EVENTS, Claim, Fenced, Store, TransitionRefused
+from scheduler.batching import SeqView, plan_step
 from scheduler.policy import PRIORITY_LEVELS, priority_label
 from scheduler.settings import Settings
 from scheduler.state import TERMINAL, JobState
@@ -70,8 +71,24 @@ class _Running:
 
     slot: Slot
     job_id: str
-    run: Generator[Eval, np.ndarray, None]
-    call: Eval
+    run: Generator[Eval, np.ndarray, None] | None = None
+    call: Eval = field(default_factory=lambda: Eval([], 0))
+    #: Its job's ordering key and whether it is interactive (set once read).
+    key: float = 0.0
+    interactive: bool = False
+    #: Steps since it was last served.
+    waited: int = 0
+
+    def send(self, result: np.ndarray | EngineError) -> None:
+        assert self.run is not None
+        if isinstance(result, EngineError):
+            self.call = self.run.throw(result)
+        else:
+            self.call = self.run.send(result)
+
+
+#: How fast the measured step times follow a change (exponential average).
+EWMA = 0.2
 
 
 #: A sequence that is free claims at the next step when a step write saw a
@@ -105,6 +122,9 @@ class Worker:
         n_seqs = int(getattr(engine, "n_seq_max", 1))
         self.slots = [Slot(self.name if i == 0 else f"{self.name}/{i}", i) for i in range(n_seqs)]
         self._running: dict[int, _Running] = {}
+        #: Measured: one decode call of n sequences (ms), one prefill chunk (ms).
+        self._decode_ms: dict[int, float] = {}
+        self._prefill_ms: float | None = None
         self._next_claim = 0.0
         self._work_waiting = False
         self.checkpoints = CheckpointStore(settings.checkpoint_bytes)
@@ -199,49 +219,64 @@ class Worker:
             self._start(slot, claim)
 
     def _start(self, slot: Slot, claim: Claim) -> None:
-        run = self._execution(slot, claim)
+        running = _Running(slot, claim.job_id)
+        running.run = self._execution(slot, claim, running)
         try:
-            call = next(run)
+            running.call = next(running.run)
         except StopIteration:  # ended before it needed the engine
             self._feed_batch(claim.job_id)
             return
-        self._running[slot.seq] = _Running(slot, claim.job_id, run, call)
+        self._running[slot.seq] = running
 
     def _step(self) -> None:
-        """One engine step: a token of every decoding sequence in one call, then
-        at most one prefill chunk (the longest-waiting sequence's) in its own,
-        with the same chunk boundaries it has alone."""
-        decoding = [r for r in self._running.values() if len(r.call.tokens) == 1]
-        prefilling = [r for r in self._running.values() if len(r.call.tokens) > 1]
-        if len(decoding) == 1 and not prefilling:
-            r = decoding[0]
+        """One engine step. Alone: its next call. Several: the planner
+        (scheduler.batching) picks, from the measured step times, who decodes
+        a token in this step's one call and whose prefill chunk runs in a call
+        of its own, with the boundaries it has alone."""
+        if len(self._running) == 1:
+            (r,) = self._running.values()
             self._serve([r], lambda: [self.engine.eval(r.call.tokens, r.call.pos, r.slot.seq)])
-        elif decoding:
+            return
+        views = [
+            SeqView(r.slot.seq, r.key, r.interactive, len(r.call.tokens) > 1, r.waited)
+            for r in self._running.values()
+        ]
+        plan = plan_step(views, self._decode_ms, self._prefill_ms, self.settings.interactive_pace)
+        for r in self._running.values():
+            r.waited += 1
+        decoding = [self._running[seq] for seq in plan.decode]
+        if decoding:
             steps = [(r.slot.seq, r.call.tokens[0], r.call.pos) for r in decoding]
-            self._serve(decoding, lambda: self.engine.decode(steps))
-        if prefilling:
-            r = prefilling[0]
-            self._serve([r], lambda: [self.engine.eval(r.call.tokens, r.call.pos, r.slot.seq)])
+            ms = self._serve(decoding, lambda: self.engine.decode(steps))
+            old = self._decode_ms.get(len(steps), ms)
+            self._decode_ms[len(steps)] = old + EWMA * (ms - old)
+        if plan.prefill is not None:
+            r = self._running[plan.prefill]
+            ms = self._serve([r], lambda: [self.engine.eval(r.call.tokens, r.call.pos, r.slot.seq)])
+            old = self._prefill_ms if self._prefill_ms is not None else ms
+            self._prefill_ms = old + EWMA * (ms - old)
 
-    def _serve(self, runs: list[_Running], call: Callable[[], list[np.ndarray]]) -> None:
+    def _serve(self, runs: list[_Running], call: Callable[[], list[np.ndarray]]) -> float:
         """Make one engine call for ``runs`` and send each its logits (or the
-        engine's error); a generation that ends frees its sequence."""
+        engine's error); a generation that ends frees its sequence. Returns the
+        call's duration in ms."""
+        t0 = time.perf_counter()
         try:
             results: list[np.ndarray | EngineError] = list(call())
         except EngineError as exc:
             results = [exc] * len(runs)
+        ms = (time.perf_counter() - t0) * 1000
         for r, result in zip(runs, results, strict=True):
+            r.waited = 0
             try:
-                if isinstance(result, EngineError):
-                    r.call = r.run.throw(result)
-                else:
-                    r.call = r.run.send(result)
+                r.send(result)
             except StopIteration:
                 del self._running[r.slot.seq]
                 self._feed_batch(r.job_id)
             except BaseException:
                 del self._running[r.slot.seq]  # a Redis outage past the retries
                 raise
+        return ms
 
     def beat(self, force: bool = True) -> None:
         """Heartbeat; requeue dead workers' jobs; free checkpoints of ended jobs."""
@@ -287,10 +322,11 @@ class Worker:
         # Reap before the heartbeat: a beat must never refresh a dead worker of
         # the same name before its jobs are requeued.
         self._reap(now)
-        held, rss = self.checkpoints.bytes, resident_bytes()
+        kv_bytes, rss = self.checkpoints.bytes, resident_bytes()
         for slot in self.slots:  # the process's figures once, on its own name
-            self.store.heartbeat(slot.name, now, self.settings.worker_ttl, held, rss, self.name)
-            held = rss = 0
+            ttl = self.settings.worker_ttl
+            self.store.heartbeat(slot.name, now, ttl, kv_bytes, rss, self.name)
+            kv_bytes = rss = 0
         self.rq.heartbeat(int(self.settings.worker_ttl) + 60)
         held = self.checkpoints.job_ids()
         if held:
@@ -328,9 +364,12 @@ class Worker:
         """Run one claimed job alone on sequence 0 until it leaves the engine."""
         run_alone(self.engine, self._execution(self.slots[0], claim), 0)
 
-    def _execution(self, slot: Slot, claim: Claim) -> Generator[Eval, np.ndarray, None]:
+    def _execution(
+        self, slot: Slot, claim: Claim, running: _Running | None = None
+    ) -> Generator[Eval, np.ndarray, None]:
         """One claimed job on ``slot``, from its first read to its last write;
-        yields the engine calls of its generation."""
+        yields the engine calls of its generation (``running``: where the step
+        planner reads the job's key and kind)."""
         t_claim = time.perf_counter()
         job_id, token = claim.job_id, claim.exec_token
         # Between the claim and the first fenced write nothing may drop the job on
@@ -376,6 +415,9 @@ class Worker:
         since = time.time()
         my_key = -float(record["score"])
         request_level = int(record.get("priority", "0"))
+        if running is not None:
+            running.key = my_key
+            running.interactive = request_level > PRIORITY_LEVELS["batch"]
         last_check: dict[str, float | None] = {"head": None, "at": 0.0}
 
         timing = {"last": 0.0}

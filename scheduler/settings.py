@@ -69,6 +69,13 @@ class Settings(BaseSettings):
         "step decodes one token of every running sequence in one engine call. Each "
         "sequence has its own n_ctx positions of KV memory.",
     )
+    interactive_pace: float = Field(
+        1.3,
+        ge=1.0,
+        description="With several sequences: how much slower than alone an interactive "
+        "stream may step while batch sequences share the engine (batch sequences sit out "
+        "steps, taking turns, to keep it; measured step times decide).",
+    )
     n_threads: int | None = Field(
         None, ge=1, description="Decode threads; unset: one per available core."
     )

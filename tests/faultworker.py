@@ -8,6 +8,8 @@ Run as ``python -m tests.faultworker --name NAME`` (the arguments of
 - ``PARKQ_TEST_DECODE_DELAY_SECONDS``: every decode step (one token, or one
   token of each of several sequences) first sleeps this long: a slow model's
   decode (and replay), whatever this machine's speed.
+- ``PARKQ_TEST_DECODE_DELAY_PER_SEQ_SECONDS``: a decode step of several
+  sequences also sleeps this long per sequence: batching that costs time.
 - ``PARKQ_TEST_DIE_AFTER_TOKENS``: the process SIGKILLs itself right after a step
   write has recorded this many generated tokens of a job.
 - ``PARKQ_TEST_STOP_AFTER_TOKENS``: the process asks itself to stop (SIGTERM: it
@@ -42,18 +44,19 @@ def _seconds(name: str) -> float:
 def _install() -> None:
     prefill = _seconds("PARKQ_TEST_PREFILL_DELAY_SECONDS")
     decode = _seconds("PARKQ_TEST_DECODE_DELAY_SECONDS")
+    per_seq = _seconds("PARKQ_TEST_DECODE_DELAY_PER_SEQ_SECONDS")
     die_after = int(os.environ.get("PARKQ_TEST_DIE_AFTER_TOKENS", "0") or 0)
     stop_after = int(os.environ.get("PARKQ_TEST_STOP_AFTER_TOKENS", "0") or 0)
     park_delay = _seconds("PARKQ_TEST_PARK_DELAY_SECONDS")
     claim_delay = _seconds("PARKQ_TEST_CLAIM_DELAY_SECONDS")
 
-    if prefill or decode:
+    if prefill or decode or per_seq:
         original_eval = LlamaEngine.eval
 
         def slow_eval(
             self: LlamaEngine, tokens: Sequence[int], pos: int, seq: int = 0
         ) -> np.ndarray:
-            time.sleep(prefill if len(tokens) > 1 else decode)
+            time.sleep(prefill if len(tokens) > 1 else decode + per_seq)
             return original_eval(self, tokens, pos, seq)
 
         LlamaEngine.eval = slow_eval  # type: ignore[method-assign]
@@ -62,7 +65,7 @@ def _install() -> None:
         def slow_decode(
             self: LlamaEngine, steps: Sequence[tuple[int, int, int]]
         ) -> list[np.ndarray]:
-            time.sleep(decode)  # one batched step of several sequences
+            time.sleep(decode + per_seq * len(steps))  # one step of several sequences
             return original_decode(self, steps)
 
         LlamaEngine._decode = slow_decode  # type: ignore[method-assign]

@@ -217,3 +217,36 @@ def test_a_sigkilled_worker_s_sequences_all_resume_and_its_old_name_takes_them_b
         assert logprob_tokens(got) == logprob_tokens(ref)
     assert all(job(c.base_url, j)["state"] == "finished" for j in ids)
     assert c.procs["gpu0"].poll() is None
+
+
+@pytest.mark.timeout(300)
+def test_an_interactive_stream_keeps_its_pace_beside_batch_sequences(
+    batching: Cluster, references: list[list[tuple[int, str]]]
+) -> None:
+    """Decoding costs 5 ms more per sequence in the step: a batch sequence beside
+    an interactive one would make it 2x slower, so batch sequences sit out
+    steps, taking turns, while it runs; every text is still the same."""
+    c = batching
+    c.start_worker("paced", env={"PARKQ_MAX_SEQS": "4",
+                                 "PARKQ_TEST_DECODE_DELAY_PER_SEQ_SECONDS": "0.005"})  # fmt: skip
+    wait_until(lambda: c.workers_alive() == 1, timeout=60)
+    resps = [submit_stream(c.base_url, body) for body in _bodies()[:3]]
+    ids = [r.headers["X-Job-Id"] for r in resps]
+    wait_until(lambda: all(job(c.base_url, j)["tokens"] > 20 for j in ids), timeout=60)
+    body = {"prompt": "A person asks", "max_tokens": 150, "temperature": 0,
+            "ignore_eos": True, "priority": "interactive"}  # fmt: skip
+    interactive = submit_stream(c.base_url, body)
+    first = read_events(interactive, limit=1)
+    before = [job(c.base_url, j)["tokens"] for j in ids]
+    events = first + read_events(interactive)
+    after = [job(c.base_url, j)["tokens"] for j in ids]
+    moved = [b - a for a, b in zip(before, after, strict=True)]
+    # Without pacing each would have moved about 150 tokens.
+    assert all(m <= 0.6 * 150 for m in moved), moved
+    assert all(m > 0 for m in moved), moved  # taking turns, none starved
+    streams = [read_events(r) for r in resps]
+    for got, ref in zip(streams, references[:3], strict=True):
+        assert completion_text(got) == completion_text(ref)
+        assert logprob_tokens(got) == logprob_tokens(ref)
+    alone = read_events(submit_stream(c.base_url, body))
+    assert completion_text(events) == completion_text(alone)
