@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -226,9 +227,8 @@ class LlamaEngine(Vocab):
         self.n_batch = n_batch
         self.n_seq_max = n_seq_max
         self._capacity = max(n_batch, n_seq_max)
-        #: Whether :meth:`decode` batches sequences in one call; set by the worker
-        #: from :meth:`batch_invariant`.
-        self.batched = False
+        #: The most sequences :meth:`decode` puts in one call (see :meth:`probe_batching`).
+        self.max_batch = 1
         self._batch = llama_cpp.llama_batch_init(max(n_batch, n_seq_max), 0, 1)
         self._memory = llama_cpp.llama_get_memory(self.ctx.ctx)
 
@@ -267,13 +267,13 @@ class LlamaEngine(Vocab):
         ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, n - 1)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
-    def batch_invariant(self, steps: int = 4) -> bool:
-        """Whether one token of each of ``n_seq_max`` sequences in one
-        ``llama_decode`` gives each the same logits, bit for bit, as decoding it
-        alone. It depends on the kernels (measured here: the quantized paths
-        are, f32 weights are not: their batched matrix product sums in another
-        order). Uses every sequence; clears them all."""
-        n = self.n_seq_max
+    def batch_invariant(self, size: int, steps: int = 3) -> bool:
+        """Whether one token of each of ``size`` sequences in one ``llama_decode``
+        gives each the same logits, bit for bit, as decoding it alone. It depends
+        on the kernels and the batch size (measured here, Q4_K_M on 2 cores: up
+        to 7 sequences the quantized matrix products run row by row, as for one
+        token, and agree; from 8 on a tiled kernel takes over and sums in
+        another order; f32 weights differ from 2 on). Clears every sequence."""
         prompt = self.tokenize("parkq checks that batching changes nothing.")[: self.n_batch]
         self.clear(-1)
         alone = [self.eval(prompt, 0, 0)]
@@ -281,9 +281,9 @@ class LlamaEngine(Vocab):
         for i in range(steps):
             alone.append(self.eval([int(np.argmax(alone[-1]))], pos + i, 0))
         self.clear(-1)
-        together = [[self.eval(prompt, 0, s)] for s in range(n)]
+        together = [[self.eval(prompt, 0, s)] for s in range(size)]
         for i in range(steps):
-            calls = [(s, int(np.argmax(together[s][-1])), pos + i) for s in range(n)]
+            calls = [(s, int(np.argmax(together[s][-1])), pos + i) for s in range(size)]
             for s, logits in enumerate(self._decode(calls)):
                 together[s].append(logits)
         self.clear(-1)
@@ -291,13 +291,56 @@ class LlamaEngine(Vocab):
             np.array_equal(a, b) for seq in together for a, b in zip(alone, seq, strict=True)
         )
 
+    def probe_batching(self) -> int:
+        """Set and return :attr:`max_batch`: the batch size, among those whose
+        every sequence gets its logits alone, that decodes fastest per token
+        (1: one call per sequence). Measured here, Q4_K_M on 2 cores: the
+        invariant sizes (2 to 7) run row by row and gain nothing (2 in one
+        call: 25 ms, alone: 11 ms each), so 1."""
+        invariant = 1
+        while invariant < self.n_seq_max and self.batch_invariant(invariant + 1):
+            invariant += 1
+        self.max_batch = 1
+        if invariant > 1:
+            alone = self._time_step(1)
+            best = min(range(2, invariant + 1), key=lambda k: self._time_step(k) / k)
+            if self._time_step(best) / best < 0.95 * alone:
+                self.max_batch = best
+        self.clear(-1)
+        return self.max_batch
+
+    def _time_step(self, size: int, repeat: int = 3) -> float:
+        """Best-of-``repeat`` seconds of one decode call of ``size`` sequences."""
+        self.clear(-1)
+        token = max(self.bos, 0)
+        for s in range(size):
+            self.eval([token], 0, s)
+        best = float("inf")
+        for i in range(repeat):
+            t0 = time.perf_counter()
+            if size == 1:
+                self.eval([token], 1 + i, 0)
+            else:
+                self._decode([(s, token, 1 + i) for s in range(size)])
+            best = min(best, time.perf_counter() - t0)
+        return best
+
     def decode(self, steps: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
         """One decode step of several sequences: ``(seq, token, pos)`` each; the
-        logits after each, in order. One ``llama_decode`` for them all where that
-        changes no sequence's logits (:meth:`batch_invariant`), else one each."""
-        if self.batched:
-            return self._decode(steps)
-        return [self.eval([tok], pos, seq) for seq, tok, pos in steps]
+        logits after each, in order. As few ``llama_decode`` calls as batches of
+        at most :attr:`max_batch` allow, sized alike."""
+        n = len(steps)
+        calls = -(-n // self.max_batch)
+        size = -(-n // calls)
+        out: list[np.ndarray] = []
+        for start in range(0, n, size):
+            part = steps[start : start + size]
+            if len(part) == 1:
+                seq, tok, pos = part[0]
+                out.append(self.eval([tok], pos, seq))
+            else:
+                out.extend(self._decode(part))
+        return out
 
     def _decode(self, steps: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
         n = len(steps)

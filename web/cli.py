@@ -291,13 +291,12 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(f"cannot load the model {settings.model}: {exc}") from None
     if settings.max_seqs > 1:
-        engine.batched = engine.batch_invariant()
+        size = engine.probe_batching()
         log.info(
-            "%d sequences per step: %s",
+            "%d sequences; one decode call takes up to %d of them (the most for which "
+            "these kernels give each sequence its logits alone)",
             settings.max_seqs,
-            "one engine call for all (batch-invariant kernels)"
-            if engine.batched
-            else "one engine call each (these kernels are not batch-invariant)",
+            size,
         )
     identity = identify(
         model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir

@@ -81,8 +81,7 @@ def test_a_sequence_decoded_beside_others_gets_the_logits_it_gets_alone(any_mode
         engine.close()
 
     engine = _engine(any_model, 4)
-    engine.batched = engine.batch_invariant()
-    print(f"\n{any_model.name}: batch-invariant kernels: {engine.batched}")
+    print(f"\n{any_model.name}: one decode call takes up to {engine.probe_batching()} sequences")
     got: dict[int, list[np.ndarray]] = {}
     pos: dict[int, int] = {}
 
