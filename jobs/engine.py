@@ -227,8 +227,10 @@ class LlamaEngine(Vocab):
         self.n_batch = n_batch
         self.n_seq_max = n_seq_max
         self._capacity = max(n_batch, n_seq_max)
-        #: The most sequences :meth:`decode` puts in one call (see :meth:`probe_batching`).
+        #: The most sequences :meth:`decode` puts in one call, and for each number
+        #: of sequences the sizes of its calls (see :meth:`probe_batching`).
         self.max_batch = 1
+        self._splits: list[list[int]] = []
         self._batch = llama_cpp.llama_batch_init(max(n_batch, n_seq_max), 0, 1)
         self._memory = llama_cpp.llama_get_memory(self.ctx.ctx)
 
@@ -291,23 +293,38 @@ class LlamaEngine(Vocab):
             np.array_equal(a, b) for seq in together for a, b in zip(alone, seq, strict=True)
         )
 
-    def probe_batching(self) -> int:
-        """Set and return :attr:`max_batch`: the batch size, among those whose
-        every sequence gets its logits alone, that decodes fastest per token
-        (1: one call per sequence). Measured here, Q4_K_M on 2 cores: the
-        invariant sizes (2 to 7) run row by row and gain nothing (2 in one
-        call: 25 ms, alone: 11 ms each), so 1."""
+    def probe_batching(self, limit: int | None = None) -> int:
+        """Find the batch sizes (up to ``limit`` sequences) whose every sequence
+        gets its logits alone, time one decode call of each, and plan, for each
+        number of sequences, the split into calls that takes least time
+        (:meth:`decode` follows it). Returns the largest invariant size.
+
+        Measured here, Q4_K_M on 2 cores: sizes up to 7 are invariant and run
+        row by row (1: 12 ms, 2: 26 ms, 4: 37 ms), so 2 sequences decode in two
+        calls and 4 in one; from 8 on a tiled kernel (8: 52 ms) sums in another
+        order and is not used."""
+        limit = min(limit or self.n_seq_max, self.n_seq_max)
         invariant = 1
-        while invariant < self.n_seq_max and self.batch_invariant(invariant + 1):
+        while invariant < limit and self.batch_invariant(invariant + 1):
             invariant += 1
-        self.max_batch = 1
-        if invariant > 1:
-            alone = self._time_step(1)
-            best = min(range(2, invariant + 1), key=lambda k: self._time_step(k) / k)
-            if self._time_step(best) / best < 0.95 * alone:
-                self.max_batch = best
+        cost = {k: self._time_step(k) for k in range(1, invariant + 1)}
+        best: list[tuple[float, list[int]]] = [(0.0, [])]
+        for n in range(1, self.n_seq_max + 1):
+            best.append(
+                min(
+                    ((best[n - k][0] + cost[k], [*best[n - k][1], k]) for k in cost if k <= n),
+                    key=lambda c: c[0],
+                )
+            )
+        self._splits = [sorted(sizes, reverse=True) for _, sizes in best]
+        self.max_batch = invariant
         self.clear(-1)
-        return self.max_batch
+        return invariant
+
+    def splits_described(self) -> str:
+        return ", ".join(
+            f"{n}: {'+'.join(map(str, s))}" for n, s in enumerate(self._splits) if n > 1
+        )
 
     def _time_step(self, size: int, repeat: int = 3) -> float:
         """Best-of-``repeat`` seconds of one decode call of ``size`` sequences."""
@@ -327,14 +344,15 @@ class LlamaEngine(Vocab):
 
     def decode(self, steps: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
         """One decode step of several sequences: ``(seq, token, pos)`` each; the
-        logits after each, in order. As few ``llama_decode`` calls as batches of
-        at most :attr:`max_batch` allow, sized alike."""
+        logits after each, in order. Split into calls as :meth:`probe_batching`
+        planned (one call each until it has run)."""
         n = len(steps)
-        calls = -(-n // self.max_batch)
-        size = -(-n // calls)
+        sizes = self._splits[n] if n < len(self._splits) else [1] * n
         out: list[np.ndarray] = []
-        for start in range(0, n, size):
+        start = 0
+        for size in sizes:
             part = steps[start : start + size]
+            start += size
             if len(part) == 1:
                 seq, tok, pos = part[0]
                 out.append(self.eval([tok], pos, seq))

@@ -291,12 +291,13 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(f"cannot load the model {settings.model}: {exc}") from None
     if settings.max_seqs > 1:
-        size = engine.probe_batching()
+        size = engine.probe_batching(settings.max_seqs)
         log.info(
             "%d sequences; one decode call takes up to %d of them (the most for which "
-            "these kernels give each sequence its logits alone)",
+            "these kernels give each sequence its logits alone), split as timed: %s",
             settings.max_seqs,
             size,
+            engine.splits_described(),
         )
     identity = identify(
         model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir
