@@ -117,6 +117,7 @@ def generate(
     ready: Callable[[], None] | None = None,
     keep: int | None = None,
     seq: int = 0,
+    in_place: bool = False,
 ) -> Run:
     """Run ``gen`` on sequence ``seq`` until it finishes, is cancelled or is asked
     to park. The KV bookkeeping (clear, restore, truncate) is done on ``engine``
@@ -124,19 +125,21 @@ def generate(
 
     ``kv`` restores a checkpoint of ``gen.n_past`` positions; with ``resume``
     and no ``kv`` the positions are replayed first. ``keep`` truncates a
-    restored ``kv`` (a cached prompt prefix). ``ready`` is called once the KV
-    cache holds the positions.
+    restored ``kv`` (a cached prompt prefix); ``in_place``: the sequence still
+    holds them (parked in place). ``ready`` is called once the KV cache holds
+    the positions.
     """
     ids = gen.request.prompt_ids
-    engine.clear(seq)
-    if kv is not None:
-        engine.load_seq(kv, seq)
-        if keep is not None:
-            engine.truncate(keep, seq)
-    elif resume and (flags := (yield from _replay(gen, n_batch, emit))):
-        if flags & CANCEL:
-            return Outcome("cancelled", [])
-        return Outcome("parked", [], kv_valid=False)
+    if not in_place:
+        engine.clear(seq)
+        if kv is not None:
+            engine.load_seq(kv, seq)
+            if keep is not None:
+                engine.truncate(keep, seq)
+        elif resume and (flags := (yield from _replay(gen, n_batch, emit))):
+            if flags & CANCEL:
+                return Outcome("cancelled", [])
+            return Outcome("parked", [], kv_valid=False)
     if ready is not None:
         ready()
     logits = None

@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -35,7 +36,7 @@ from jobs.events import DONE, error_event
 from jobs.generation import Generation, GenerationRequest
 from jobs.identity import ModelIdentity
 from jobs.rqjobs import RQBridge
-from jobs.runner import CANCEL, PREEMPT, Eval, Outcome, generate, run_alone
+from jobs.runner import CANCEL, PREEMPT, Eval, Outcome, generate
 from jobs.store import CANCEL_EVENTS, Claim, Fenced, Store, TransitionRefused
 from scheduler.batching import SeqView, plan_step
 from scheduler.policy import PRIORITY_LEVELS, priority_label
@@ -59,9 +60,18 @@ def default_worker_name() -> str:
 
 @dataclass(frozen=True)
 class Slot:
-    """One sequence of the engine: a worker of its own to the scheduler."""
+    """One place to run a generation: a worker of its own to the scheduler."""
 
     name: str
+    index: int
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """A parked job whose KV stays in its engine sequence (nothing copied)."""
+
+    exec_token: str
+    n_past: int
     seq: int
 
 
@@ -71,6 +81,8 @@ class _Running:
 
     slot: Slot
     job_id: str
+    #: The engine sequence holding its KV (chosen once the job is read).
+    seq: int = -1
     run: Generator[Eval, np.ndarray, None] | None = None
     call: Eval = field(default_factory=lambda: Eval([], 0))
     #: Its job's ordering key and whether it is interactive (set once read).
@@ -78,6 +90,8 @@ class _Running:
     interactive: bool = False
     #: Steps since it was last served.
     waited: int = 0
+    #: Parked in place: its sequence now holds a parked job's KV.
+    kept: bool = False
 
     def send(self, result: np.ndarray | EngineError) -> None:
         assert self.run is not None
@@ -119,8 +133,14 @@ class Worker:
         self.store = Store(client, settings, model)
         self.rq = RQBridge(client, settings.queue_name, settings.result_ttl)
         self.name = name or settings.worker_name or default_worker_name()
+        # Generations at once, and the engine sequences beyond them that keep
+        # parked jobs' KV in place.
         n_seqs = int(getattr(engine, "n_seq_max", 1))
-        self.slots = [Slot(self.name if i == 0 else f"{self.name}/{i}", i) for i in range(n_seqs)]
+        n_slots = max(1, min(settings.max_seqs, n_seqs))
+        self.slots = [Slot(self.name if i == 0 else f"{self.name}/{i}", i) for i in range(n_slots)]
+        self._free_seqs = list(range(n_seqs - 1, -1, -1))  # popped from the end: 0 first
+        self._in_place: OrderedDict[str, InPlace] = OrderedDict()
+        self._in_place_max = n_seqs - n_slots
         self._running: dict[int, _Running] = {}
         #: Measured: one decode call of n sequences (ms), one prefill chunk (ms).
         self._decode_ms: dict[int, float] = {}
@@ -204,7 +224,7 @@ class Worker:
     def _admit(self) -> None:
         """Claim jobs into free sequences: at once when idle, else when a step
         saw a waiting job (or every CLAIM_SECONDS)."""
-        free = [s for s in self.slots if s.seq not in self._running]
+        free = [s for s in self.slots if s.index not in self._running]
         if not free:
             return
         now_m = time.monotonic()
@@ -226,7 +246,7 @@ class Worker:
         except StopIteration:  # ended before it needed the engine
             self._feed_batch(claim.job_id)
             return
-        self._running[slot.seq] = running
+        self._running[slot.index] = running
 
     def _step(self) -> None:
         """One engine step. Alone: its next call. Several: the planner
@@ -235,10 +255,10 @@ class Worker:
         of its own, with the boundaries it has alone."""
         if len(self._running) == 1:
             (r,) = self._running.values()
-            self._serve([r], lambda: [self.engine.eval(r.call.tokens, r.call.pos, r.slot.seq)])
+            self._serve([r], lambda: [self.engine.eval(r.call.tokens, r.call.pos, r.seq)])
             return
         views = [
-            SeqView(r.slot.seq, r.key, r.interactive, len(r.call.tokens) > 1, r.waited)
+            SeqView(r.slot.index, r.key, r.interactive, len(r.call.tokens) > 1, r.waited)
             for r in self._running.values()
         ]
         plan = plan_step(views, self._decode_ms, self._prefill_ms, self.settings.interactive_pace)
@@ -246,13 +266,13 @@ class Worker:
             r.waited += 1
         decoding = [self._running[seq] for seq in plan.decode]
         if decoding:
-            steps = [(r.slot.seq, r.call.tokens[0], r.call.pos) for r in decoding]
+            steps = [(r.seq, r.call.tokens[0], r.call.pos) for r in decoding]
             ms = self._serve(decoding, lambda: self.engine.decode(steps))
             old = self._decode_ms.get(len(steps), ms)
             self._decode_ms[len(steps)] = old + EWMA * (ms - old)
         if plan.prefill is not None:
             r = self._running[plan.prefill]
-            ms = self._serve([r], lambda: [self.engine.eval(r.call.tokens, r.call.pos, r.slot.seq)])
+            ms = self._serve([r], lambda: [self.engine.eval(r.call.tokens, r.call.pos, r.seq)])
             old = self._prefill_ms if self._prefill_ms is not None else ms
             self._prefill_ms = old + EWMA * (ms - old)
 
@@ -271,10 +291,10 @@ class Worker:
             try:
                 r.send(result)
             except StopIteration:
-                del self._running[r.slot.seq]
+                del self._running[r.slot.index]
                 self._feed_batch(r.job_id)
             except BaseException:
-                del self._running[r.slot.seq]  # a Redis outage past the retries
+                del self._running[r.slot.index]  # a Redis outage past the retries
                 raise
         return ms
 
@@ -328,12 +348,15 @@ class Worker:
             self.store.heartbeat(slot.name, now, ttl, kv_bytes, rss, self.name)
             kv_bytes = rss = 0
         self.rq.heartbeat(int(self.settings.worker_ttl) + 60)
-        held = self.checkpoints.job_ids()
+        held = [*self.checkpoints.job_ids(), *self._in_place]
         if held:
             for job_id, state in self.store.job_states(held).items():
                 if state is None or JobState(state) in TERMINAL:
-                    self.checkpoints.drop(job_id)
+                    self._drop_kept(job_id)
                     log.info("job %s: ended while parked; checkpoint freed", job_id)
+                elif state == JobState.RUNNING and job_id in self._in_place:
+                    self._drop_kept(job_id)  # resumed elsewhere: this copy is stale
+                    log.info("job %s: resumed elsewhere; in-place checkpoint freed", job_id)
 
     def _reap(self, now: float, previous_life: bool = False) -> None:
         """Requeue (or fail) the jobs of workers whose liveness expired; this worker's
@@ -360,16 +383,21 @@ class Worker:
 
     # -- one job ----------------------------------------------------------
 
-    def execute(self, claim: Claim) -> None:
-        """Run one claimed job alone on sequence 0 until it leaves the engine."""
-        run_alone(self.engine, self._execution(self.slots[0], claim), 0)
-
     def _execution(
-        self, slot: Slot, claim: Claim, running: _Running | None = None
+        self, slot: Slot, claim: Claim, running: _Running
     ) -> Generator[Eval, np.ndarray, None]:
         """One claimed job on ``slot``, from its first read to its last write;
-        yields the engine calls of its generation (``running``: where the step
-        planner reads the job's key and kind)."""
+        yields the engine calls of its generation. Its engine sequence is freed
+        at the end, unless it keeps a job parked in place."""
+        try:
+            yield from self._job(slot, claim, running)
+        finally:
+            if running.seq >= 0 and not running.kept:
+                self._release_seq(running.seq)
+
+    def _job(
+        self, slot: Slot, claim: Claim, running: _Running
+    ) -> Generator[Eval, np.ndarray, None]:
         t_claim = time.perf_counter()
         job_id, token = claim.job_id, claim.exec_token
         # Between the claim and the first fenced write nothing may drop the job on
@@ -390,7 +418,8 @@ class Worker:
             )
         else:
             gen = Generation(job_id, request, self.engine.token_bytes, self.engine.is_eog)
-        kv = self._checkpoint_for(job_id, record, gen)
+        kv, in_place = self._kv_for(job_id, record, gen, running)
+        seq = running.seq
         keep = None
         if not resume and (hit := self.prefixes.best(request.prompt_ids, self.settings.n_batch)):
             kv, keep = hit[0].kv, hit[1]
@@ -403,7 +432,9 @@ class Worker:
             slot.name,
             len(request.prompt_ids),
             len(gen.generated),
-            "from its checkpoint"
+            "from its KV, kept in place"
+            if in_place
+            else "from its checkpoint"
             if kv is not None and keep is None
             else "replaying"
             if resume
@@ -415,9 +446,8 @@ class Worker:
         since = time.time()
         my_key = -float(record["score"])
         request_level = int(record.get("priority", "0"))
-        if running is not None:
-            running.key = my_key
-            running.interactive = request_level > PRIORITY_LEVELS["batch"]
+        running.key = my_key
+        running.interactive = request_level > PRIORITY_LEVELS["batch"]
         last_check: dict[str, float | None] = {"head": None, "at": 0.0}
 
         timing = {"last": 0.0}
@@ -477,7 +507,7 @@ class Worker:
             return step.flags
 
         def ready() -> None:
-            if kv is not None and keep is None:  # resumed from a checkpoint: how long it took
+            if (kv is not None or in_place) and keep is None:  # resumed from a checkpoint
                 resume_ms = (time.perf_counter() - t_claim) * 1000
                 self._metric(lambda: self.store.record(resume_ms=resume_ms))
                 self._metric(lambda: self.store.observe("resume_ms", resume_ms))
@@ -492,7 +522,8 @@ class Worker:
                 resume=resume,
                 ready=ready,
                 keep=keep,
-                seq=slot.seq,
+                seq=seq,
+                in_place=in_place,
             )
         except Fenced:
             log.warning("job %s: execution %s was superseded; dropping it", job_id, token)
@@ -502,7 +533,7 @@ class Worker:
             self._fail(slot, claim, f"engine error: {exc}", "engine_error")
             return
         if outcome.state == "parked":
-            self._park(slot, claim, gen, with_kv=outcome.kv_valid)
+            self._park(slot, claim, gen, running, with_kv=outcome.kv_valid)
             return
         if unwritten:  # the last steps' tokens go out with the final events
             outcome = Outcome(outcome.state, [*unwritten, *outcome.payloads])
@@ -510,7 +541,48 @@ class Worker:
         # Keep the prompt's KV for a request that starts the same way (the next turn).
         long_prompt = len(request.prompt_ids) >= 2 * self.settings.n_batch
         if outcome.state == "finished" and long_prompt and self.prefixes.budget:
-            self.prefixes.put(request.prompt_ids, self.engine.save_seq(slot.seq))
+            self.prefixes.put(request.prompt_ids, self.engine.save_seq(seq))
+
+    # -- KV: engine sequences, kept in place or copied out ------------------
+
+    def _kv_for(
+        self, job_id: str, record: dict[str, str], gen: Generation, running: _Running
+    ) -> tuple[bytes | memoryview | None, bool]:
+        """Give ``running`` an engine sequence: the one that kept the job's KV in
+        place (then True), else a free one and the job's RAM checkpoint, if any."""
+        entry = self._in_place.pop(job_id, None)
+        if entry is not None:
+            if entry.exec_token == record.get("ckpt_exec") and entry.n_past == gen.n_past:
+                running.seq = entry.seq
+                return None, True
+            log.warning("job %s: stale in-place checkpoint discarded", job_id)
+            self._release_seq(entry.seq)
+        running.seq = self._acquire_seq()
+        return self._checkpoint_for(job_id, record, gen), False
+
+    def _acquire_seq(self) -> int:
+        if not self._free_seqs:  # every spare sequence keeps a parked job: copy one out
+            self._swap_out()
+        return self._free_seqs.pop()
+
+    def _release_seq(self, seq: int) -> None:
+        self.engine.clear(seq)
+        self._free_seqs.append(seq)
+
+    def _swap_out(self) -> None:
+        """Copy the oldest job parked in place to the RAM checkpoint store; free
+        its sequence."""
+        job_id, entry = self._in_place.popitem(last=False)
+        kv = self.engine.save_seq(entry.seq)
+        self.checkpoints.put(job_id, Checkpoint(entry.exec_token, entry.n_past, bytes(kv)))
+        self._release_seq(entry.seq)
+        log.info("job %s: parked KV copied out of the engine (%d bytes)", job_id, len(kv))
+
+    def _drop_kept(self, job_id: str) -> None:
+        self.checkpoints.drop(job_id)
+        entry = self._in_place.pop(job_id, None)
+        if entry is not None:
+            self._release_seq(entry.seq)
 
     def _checkpoint_for(
         self, job_id: str, record: dict[str, str], gen: Generation
@@ -542,10 +614,16 @@ class Worker:
         last["head"], last["at"] = head_key, now
         self.store.maybe_preempt(now)
 
-    def _park(self, slot: Slot, claim: Claim, gen: Generation, with_kv: bool = True) -> None:
+    def _park(
+        self, slot: Slot, claim: Claim, gen: Generation, running: _Running, with_kv: bool = True
+    ) -> None:
+        """Record the park. The KV stays in its engine sequence while a spare one
+        is left (nothing copied), else it is copied to the RAM checkpoint store;
+        without KV (a park during a replay) the job resumes by replay."""
         job_id = claim.job_id
         t0 = time.perf_counter()
-        kv = self.engine.save_seq(slot.seq) if with_kv else b""  # b"": resumed by replay
+        in_place = with_kv and self._in_place_max > 0
+        kv = self.engine.save_seq(running.seq) if with_kv and not in_place else b""
         state = json.dumps(gen.state(), separators=(",", ":"))
         try:
             outcome = self._retrying(
@@ -556,7 +634,12 @@ class Worker:
         except Fenced:
             return
         if outcome == "parked":
-            if kv:
+            if in_place:
+                self._in_place[job_id] = InPlace(claim.exec_token, gen.n_past, running.seq)
+                running.kept = True
+                while len(self._in_place) > self._in_place_max:
+                    self._swap_out()
+            elif kv:
                 self.checkpoints.put(job_id, Checkpoint(claim.exec_token, gen.n_past, kv))
             park_ms = (time.perf_counter() - t0) * 1000
             self._metric(lambda: self.store.record(park_ms=park_ms, checkpoint_bytes=len(kv)))
@@ -566,10 +649,10 @@ class Worker:
             self._metric(lambda: self.store.log_preemption(job_id, slot.name, n, park_ms))
             self.rq.requeued(job_id)
             log.info(
-                "job %s: parked after %d tokens (%d KV bytes, %.1f ms)",
+                "job %s: parked after %d tokens (%s, %.1f ms)",
                 job_id,
                 len(gen.generated),
-                len(kv),
+                "KV kept in place" if in_place else f"{len(kv)} KV bytes",
                 park_ms,
             )
         else:

@@ -69,6 +69,15 @@ class Settings(BaseSettings):
         "step decodes one token of every running sequence in one engine call. Each "
         "sequence has its own n_ctx positions of KV memory.",
     )
+    parked_seqs: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="Engine sequences beyond PARKQ_MAX_SEQS that keep parked jobs' KV in "
+        "place: a park copies nothing while one is free (the oldest is copied to the "
+        "checkpoint store when a new park needs its sequence). Each costs n_ctx positions of "
+        "KV memory; 0 copies every park out.",
+    )
     interactive_pace: float = Field(
         1.3,
         ge=1.0,

@@ -284,7 +284,7 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
             n_ctx=settings.n_ctx,
             n_batch=settings.n_batch,
             n_threads=settings.n_threads,
-            n_seq_max=settings.max_seqs,
+            n_seq_max=settings.max_seqs + settings.parked_seqs,
             chat_format=settings.chat_format,
             extra_buffers=kernels.extra_buffers,
         )

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 
 from jobs.engine import LlamaEngine
 from jobs.testmodel import write_test_model
@@ -249,3 +250,53 @@ def test_an_interactive_stream_keeps_its_pace_beside_batch_sequences(
         assert logprob_tokens(got) == logprob_tokens(ref)
     alone = read_events(submit_stream(c.base_url, body))
     assert completion_text(events) == completion_text(alone)
+
+
+def _held_bytes(c: Cluster) -> float:
+    return _metrics(c)["parkq_checkpoint_bytes{}"]  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("parked_seqs", [1, 0])
+def test_a_park_keeps_the_kv_in_place_and_a_second_one_copies_the_oldest_out(
+    batching: Cluster, references: list[list[tuple[int, str]]], parked_seqs: int
+) -> None:
+    """One generation at a time, one spare engine sequence (the default): the
+    first park copies nothing (the parked job's KV stays in its sequence); a
+    second park copies the older one out to the checkpoint store. With no
+    spare sequence every park copies. The texts are the same either way."""
+    c = batching
+    c.start_worker("one", env={"PARKQ_PARKED_SEQS": str(parked_seqs),
+                               "PARKQ_TEST_DECODE_DELAY_SECONDS": "0.003"})  # fmt: skip
+    wait_until(lambda: c.workers_alive() == 1, timeout=60)
+    bodies = _bodies()
+    low = submit_stream(c.base_url, {**bodies[0], "priority": 0})
+    low_id = low.headers["X-Job-Id"]
+    seen = {low_id: read_events(low, limit=20)}
+    middle = submit_stream(c.base_url, {**bodies[1], "priority": 5})
+    middle_id = middle.headers["X-Job-Id"]
+    wait_until(lambda: job(c.base_url, low_id)["state"] == "parked", timeout=60)
+    seen[middle_id] = read_events(middle, limit=20)
+    time.sleep(1.5)  # three heartbeats: what the worker holds outside the engine
+    assert (_held_bytes(c) == 0) == (parked_seqs == 1)
+    top = submit_stream(c.base_url, {**bodies[2], "max_tokens": 600, "priority": 10})
+    wait_until(lambda: job(c.base_url, middle_id)["state"] == "parked", timeout=60)
+    wait_until(lambda: _held_bytes(c) > 0, timeout=30)  # the oldest park, copied out
+    streams = [seen.get(r.headers["X-Job-Id"], []) + read_events(r) for r in (low, middle, top)]
+    for got, ref in zip(streams[:2], references[:2], strict=True):
+        assert completion_text(got) == completion_text(ref)
+        assert logprob_tokens(got) == logprob_tokens(ref)
+    assert completion_text(streams[2]) == completion_text(references[2])
+    wait_until(lambda: _held_bytes(c) == 0, timeout=30)  # every copy used up or freed
+
+
+def _metrics(c: Cluster) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    text = requests.get(c.base_url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
