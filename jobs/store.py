@@ -21,7 +21,7 @@ from scheduler.keys import Keys
 from scheduler.policy import Policy
 from scheduler.preempt import PreemptPolicy, Runner, choose_victim
 from scheduler.settings import Settings
-from scheduler.state import JobState, sources
+from scheduler.state import JobState, lua_prelude, sources
 
 __all__ = [
     "BUCKETS_MS",
@@ -55,7 +55,8 @@ CANCEL_EVENTS = [error_event("The job was cancelled.", "cancelled", "job_cancell
 def _script(name: str) -> str:
     """A script's text, after the shared helpers of ``lib.lua``."""
     lua = resources.files("scheduler").joinpath("lua")
-    return lua.joinpath("lib.lua").read_text() + lua.joinpath(f"{name}.lua").read_text()
+    helpers = lua.joinpath("lib.lua").read_text()
+    return lua_prelude() + helpers + lua.joinpath(f"{name}.lua").read_text()
 
 
 def _states(*states: JobState) -> str:

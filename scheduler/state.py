@@ -4,8 +4,11 @@ Invariants:
 - a job is in exactly one state at a time;
 - the terminal states (finished, failed, cancelled) have no way out;
 - every state change anywhere in parkq (Lua scripts included) is one of the
-  transitions below: the Lua scripts receive their allowed source states from
-  :func:`sources`, so this table stays the single source of truth.
+  transitions below: the Lua scripts name states only through the constants
+  :func:`lua_prelude` generates from this module (``S.running``), receive
+  their allowed source states from :func:`sources`, and move a job with the
+  generated ``move``, which refuses what this table forbids; so this table
+  stays the single source of truth.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ __all__ = [
     "JobState",
     "can_transition",
     "check_transition",
+    "lua_prelude",
     "sources",
 ]
 
@@ -84,3 +88,28 @@ def check_transition(source: JobState, target: JobState) -> JobState:
 def sources(target: JobState) -> tuple[JobState, ...]:
     """Every state from which ``target`` can be reached, in a stable order."""
     return tuple(s for s in JobState if target in _TRANSITIONS[s])
+
+
+_MOVE_LUA = """
+-- Set a job's state to `target` if the transition table allows it from the
+-- state the job is in (a job without a state is new); whether it did.
+local function move(job, target)
+  local from = redis.call('HGET', job, 'state')
+  if from and not MAY[from][target] then return false end
+  redis.call('HSET', job, 'state', target)
+  return true
+end
+"""
+
+
+def lua_prelude() -> str:
+    """The states and the transition table as Lua, put before every script."""
+    names = ", ".join(f"{s.name.lower()} = '{s.value}'" for s in JobState)
+    rows = ", ".join(
+        s.value + " = {" + ", ".join(f"{t.value} = true" for t in _TRANSITIONS[s]) + "}"
+        for s in JobState
+    )
+    return (
+        "-- Generated from scheduler/state.py: the job states and their transitions.\n"
+        f"local S = {{{names}}}\nlocal MAY = {{{rows}}}\n{_MOVE_LUA}\n"
+    )

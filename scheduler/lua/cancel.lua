@@ -12,8 +12,8 @@ if state_set(ARGV[5])[state] then
   redis.call('ZREM', KEYS[2], ARGV[1])
   emit_after(KEYS[1], KEYS[3], ARGV[2], 7)
   redis.call('HSET', KEYS[1], 'finish_reason', 'cancelled')
-  end_job(KEYS[1], KEYS[3], 'cancelled', ARGV[3], ARGV[4])
-  return 'cancelled'
+  end_job(KEYS[1], KEYS[3], S.cancelled, ARGV[3], ARGV[4])
+  return S.cancelled
 end
 if state_set(ARGV[6])[state] then
   redis.call('HSET', KEYS[1], 'cancel', '1')

@@ -24,7 +24,7 @@ for _, id in ipairs(top) do
     local wants = redis.call('HGET', job, 'model_digest')
     if ARGV[8] ~= '' and wants and wants ~= ARGV[8] then
       mine = false
-    elseif state == 'parked' then
+    elseif state == S.parked then
       local holder = redis.call('HGET', job, 'ckpt_worker')
       local parked_at = tonumber(redis.call('HGET', job, 'parked_at') or '0')
       if holder and holder ~= ARGV[9] and now - parked_at < affinity then
@@ -35,7 +35,8 @@ for _, id in ipairs(top) do
     if mine then
       redis.call('ZREM', KEYS[1], id)
       local exec = redis.call('HINCRBY', job, 'exec', 1)
-      redis.call('HSET', job, 'state', 'running', 'worker', ARGV[2], 'resumed_at', ARGV[3])
+      move(job, S.running)
+      redis.call('HSET', job, 'worker', ARGV[2], 'resumed_at', ARGV[3])
       redis.call('HSETNX', job, 'started_at', ARGV[3])
       local key = -tonumber(redis.call('HGET', job, 'score'))
       redis.call('HSET', KEYS[2], 'job', id, 'exec', exec, 'since', ARGV[3], 'key', key,

@@ -12,14 +12,16 @@ release_worker(KEYS[3], KEYS[4], ARGV[4], ARGV[1])
 if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then
   emit_after(KEYS[1], KEYS[6], ARGV[5], 8)
   redis.call('HSET', KEYS[1], 'finish_reason', 'cancelled')
-  end_job(KEYS[1], KEYS[6], 'cancelled', ARGV[2], ARGV[6])
-  return 'cancelled'
+  end_job(KEYS[1], KEYS[6], S.cancelled, ARGV[2], ARGV[6])
+  return S.cancelled
 end
 local id = redis.call('HGET', KEYS[1], 'id')
-redis.call('HSET', KEYS[1], 'state', 'parked', 'checkpoint', ARGV[3],
+move(KEYS[1], S.parking)  -- (a no-op when the step already marked it)
+move(KEYS[1], S.parked)
+redis.call('HSET', KEYS[1], 'checkpoint', ARGV[3],
            'ckpt_worker', ARGV[7], 'ckpt_exec', ARGV[1], 'parked_at', ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'preemptions', 1)
 redis.call('ZADD', KEYS[2], redis.call('HGET', KEYS[1], 'score'), id)
 redis.call('LPUSH', KEYS[5], id)
 redis.call('LTRIM', KEYS[5], 0, 63)
-return 'parked'
+return S.parked

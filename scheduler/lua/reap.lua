@@ -27,16 +27,16 @@ for _, w in ipairs(dead) do
   if id then
     local job = ARGV[2] .. id
     local state = redis.call('HGET', job, 'state')
-    if redis.call('HGET', job, 'exec') == exec and (state == 'running' or state == 'parking') then
+    if redis.call('HGET', job, 'exec') == exec and (state == S.running or state == S.parking) then
       local crashes = redis.call('HINCRBY', job, 'crashes', 1)
       if crashes >= tonumber(ARGV[6]) then
         local events = ARGV[4] .. id
         emit_after(job, events, ARGV[5] .. id, 9)
         redis.call('HSET', job, 'error', 'the job lost its worker ' .. crashes .. ' times')
-        end_job(job, events, 'failed', ARGV[1], ARGV[7])
+        end_job(job, events, S.failed, ARGV[1], ARGV[7])
         outcome = 'failed'
       else
-        redis.call('HSET', job, 'state', 'queued')
+        move(job, S.queued)
         redis.call('HINCRBY', job, 'exec', 1)  -- fence the dead execution
         redis.call('ZADD', KEYS[2], redis.call('HGET', job, 'score'), id)
         redis.call('LPUSH', KEYS[4], id)

@@ -33,7 +33,7 @@ if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then
   flags = flags + 1
 elseif redis.call('HEXISTS', KEYS[3], 'preempt') == 1 then
   flags = flags + 2
-  redis.call('HSET', KEYS[1], 'state', 'parking')
+  move(KEYS[1], S.parking)
 end
 local head = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')
 return {flags, head[2] or false, redis.call('HGET', KEYS[1], 'detached_at')}
