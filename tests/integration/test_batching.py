@@ -300,3 +300,28 @@ def _metrics(c: Cluster) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
             out[f"{sample.name}{{{labels}}}"] = sample.value
     return out
+
+
+@pytest.mark.timeout(300)
+def test_across_two_workers_of_two_sequences_the_lowest_job_makes_room(
+    batching: Cluster, references: list[list[tuple[int, str]]]
+) -> None:
+    """Four sequences on two workers, all busy: an interactive request parks
+    exactly one job, the one with the lowest key, wherever it runs."""
+    c = batching
+    two = {"PARKQ_MAX_SEQS": "2", "PARKQ_TEST_DECODE_DELAY_SECONDS": "0.002"}
+    c.start_worker("left", env=two)
+    c.start_worker("right", env=two)
+    wait_until(lambda: c.workers_alive() == 2, timeout=60)
+    bodies = [{**b, "priority": p} for b, p in zip(_bodies()[:4], (3, 1, 4, 2), strict=True)]
+    resps = [submit_stream(c.base_url, body) for body in bodies]
+    ids = [r.headers["X-Job-Id"] for r in resps]
+    # 50 tokens at 2 ms or more each: every job is past its minimum run time.
+    wait_until(lambda: all(job(c.base_url, j)["tokens"] > 50 for j in ids), timeout=60)
+    short = submit_stream(c.base_url, {"prompt": "hi", "max_tokens": 8, "priority": "interactive"})
+    assert read_events(short)[-1][1] == "[DONE]"
+    streams = [read_events(r) for r in resps]
+    assert [job(c.base_url, j)["preemptions"] for j in ids] == [0, 1, 0, 0]  # priority 1
+    for got, ref in zip(streams, references[:4], strict=True):
+        assert completion_text(got) == completion_text(ref)
+        assert logprob_tokens(got) == logprob_tokens(ref)
