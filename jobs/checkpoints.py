@@ -26,13 +26,9 @@ class CheckpointStore:
         self.budget = budget_bytes
         self._items: OrderedDict[str, Checkpoint] = OrderedDict()
         self.bytes = 0
-        self.evicted = 0
 
     def __len__(self) -> int:
         return len(self._items)
-
-    def __contains__(self, job_id: str) -> bool:
-        return job_id in self._items
 
     def job_ids(self) -> list[str]:
         return list(self._items)
@@ -40,14 +36,12 @@ class CheckpointStore:
     def put(self, job_id: str, checkpoint: Checkpoint) -> None:
         self.drop(job_id)
         if len(checkpoint.kv) > self.budget:
-            self.evicted += 1
             return
         self._items[job_id] = checkpoint
         self.bytes += len(checkpoint.kv)
         while self.bytes > self.budget:
             _, old = self._items.popitem(last=False)
             self.bytes -= len(old.kv)
-            self.evicted += 1
 
     def take(self, job_id: str) -> Checkpoint | None:
         """Remove and return a job's checkpoint (each is used once)."""

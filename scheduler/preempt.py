@@ -42,10 +42,6 @@ class PreemptPolicy:
     def should_preempt(self, waiting_key: float, runner: Runner, now: float) -> bool:
         return self.beats(waiting_key, runner.key) and self.ripe(runner.since, now)
 
-    def ripe_at(self, runner: Runner) -> float:
-        """When ``runner`` becomes preemptible."""
-        return runner.since + self.min_run_seconds
-
 
 @dataclass(frozen=True)
 class Runner:
