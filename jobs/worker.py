@@ -255,7 +255,10 @@ class Worker:
         of its own, with the boundaries it has alone."""
         if len(self._running) == 1:
             (r,) = self._running.values()
-            self._serve([r], lambda: [self.engine.eval(r.call.tokens, r.call.pos, r.seq)])
+            prefill = len(r.call.tokens) > 1
+            ms = self._serve([r], lambda: [self.engine.eval(r.call.tokens, r.call.pos, r.seq)])
+            if len(self.slots) > 1:  # what the planner needs: one sequence's pace
+                self._measured(None if prefill else 1, ms)
             return
         views = [
             SeqView(r.slot.index, r.key, r.interactive, len(r.call.tokens) > 1, r.waited)
@@ -264,17 +267,26 @@ class Worker:
         plan = plan_step(views, self._decode_ms, self._prefill_ms, self.settings.interactive_pace)
         for r in self._running.values():
             r.waited += 1
-        decoding = [self._running[seq] for seq in plan.decode]
+        decoding = [self._running[index] for index in plan.decode]
         if decoding:
             steps = [(r.seq, r.call.tokens[0], r.call.pos) for r in decoding]
-            ms = self._serve(decoding, lambda: self.engine.decode(steps))
-            old = self._decode_ms.get(len(steps), ms)
-            self._decode_ms[len(steps)] = old + EWMA * (ms - old)
+            self._measured(len(steps), self._serve(decoding, lambda: self.engine.decode(steps)))
         if plan.prefill is not None:
-            r = self._running[plan.prefill]
-            ms = self._serve([r], lambda: [self.engine.eval(r.call.tokens, r.call.pos, r.seq)])
+            p = self._running[plan.prefill]
+            call = p.call
+            self._measured(
+                None, self._serve([p], lambda: [self.engine.eval(call.tokens, call.pos, p.seq)])
+            )
+
+    def _measured(self, n: int | None, ms: float) -> None:
+        """Fold a call's duration into the step times the planner is given: a
+        decode of ``n`` sequences, or (None) a prefill chunk."""
+        if n is None:
             old = self._prefill_ms if self._prefill_ms is not None else ms
             self._prefill_ms = old + EWMA * (ms - old)
+        else:
+            old = self._decode_ms.get(n, ms)
+            self._decode_ms[n] = old + EWMA * (ms - old)
 
     def _serve(self, runs: list[_Running], call: Callable[[], list[np.ndarray]]) -> float:
         """Make one engine call for ``runs`` and send each its logits (or the

@@ -13,7 +13,8 @@ Invariants (property-tested):
 - with them, a batch sequence joins the step only if the measured step time
   with it stays within the interactive ones' step time alone plus a slack of
   ``(pace - 1)`` times that for each step it has waited (a size not measured
-  yet is allowed: that is how it gets measured). At no wait that is the pace
+  yet is allowed: that is how it gets measured; while the interactive ones'
+  own step time is not measured, they decode alone once to measure it). At no wait that is the pace
   bound itself; a sequence left out waits longer and so is served within a
   bounded number of steps: interactive streams keep ``pace`` on average and
   batch work is never starved;
@@ -75,6 +76,8 @@ def plan_step(
     # Longest-waiting first, then the better job: left out this step are the
     # ones served most recently.
     for s in sorted(others, key=lambda s: (-s.waited, -s.key, s.seq)):
+        if urgent and alone is None:
+            break  # measure the interactive ones' pace alone first
         cost = decode_ms.get(len(chosen) + 1)
         if alone is None or cost is None or cost <= alone + _slack(alone, pace, s):
             chosen.append(s)

@@ -112,5 +112,7 @@ def test_a_batch_sequence_sits_out_while_two_interactive_streams_need_the_pace()
     assert plan_step(seqs, costs) == StepPlan((0, 1), None)
     # After waiting two steps its slack has grown enough: it decodes beside them.
     assert plan_step([*seqs[:2], replace(seqs[2], waited=2)], costs) == StepPlan((0, 1, 2), None)
-    # Sizes not measured yet are allowed (that is how they get measured).
-    assert plan_step(seqs, {}) == StepPlan((0, 1, 2), None)
+    # Sizes not measured yet are allowed (that is how they get measured) ...
+    assert plan_step(seqs, {2: 20.0}) == StepPlan((0, 1, 2), None)
+    # ... once the interactive ones' own pace is known: else they step alone once.
+    assert plan_step(seqs, {}) == StepPlan((0, 1), None)
