@@ -4,16 +4,33 @@ reconnect within it continues losslessly, batch work runs on without a client.""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
+import redis
 import requests
 
 from tests.integration.conftest import Server
 from tests.integration.helpers import job, read_events, submit_stream, wait_until
+from tests.integration.test_workers import Cluster, running_cluster
 
 LONG = {"prompt": "A reply nobody reads", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
 
 
-def test_an_abandoned_interactive_stream_frees_the_engine_after_the_grace(server: Server) -> None:
+@pytest.fixture(scope="module")
+def slow(redis_server, tiny_model: Path, tmp_path_factory) -> Iterator[Cluster]:
+    """A worker whose decode steps take at least 2 ms: a 3,000-token job runs
+    for 6 s or more on any machine, longer than the grace (1 s here)."""
+    root = tmp_path_factory.mktemp("disconnect")
+    with running_cluster(redis_server.url, tiny_model, root, "disconnect", ()) as c:
+        c.start_worker("slow", env={"PARKQ_TEST_DECODE_DELAY_SECONDS": "0.002"})
+        wait_until(lambda: c.workers_alive() == 1, timeout=60)
+        yield c
+
+
+def test_an_abandoned_interactive_stream_frees_the_engine_after_the_grace(slow: Cluster) -> None:
+    server = slow
     resp = submit_stream(server.base_url, {**LONG, "priority": "interactive"})
     job_id = resp.headers["X-Job-Id"]
     read_events(resp, limit=20)
@@ -57,8 +74,9 @@ def test_a_batch_job_runs_on_without_a_client(server: Server) -> None:
 
 
 def test_a_client_that_leaves_a_queued_job_is_noticed_and_the_job_never_runs(
-    server: Server,
+    slow: Cluster,
 ) -> None:
+    server = slow
     # A job above every interactive one holds the only worker, so the next waits.
     blocker = submit_stream(server.base_url, {**LONG, "priority": 1000, "max_tokens": 3000})
     blocker_id = blocker.headers["X-Job-Id"]
@@ -68,9 +86,11 @@ def test_a_client_that_leaves_a_queued_job_is_noticed_and_the_job_never_runs(
     assert job(server.base_url, job_id)["state"] == "queued"
     resp.close()  # only the headers and the first comment were read
     left = time.monotonic()
-    key = f"{{parkq}}:job:{job_id}"
+    key = f"{{disconnect}}:job:{job_id}"
+    client = redis.Redis.from_url(server.env["PARKQ_REDIS_URL"])
     # Noticed without a keep-alive write (15 s apart by default): within seconds.
-    wait_until(lambda: server.redis.hget(key, "detached_at") is not None, timeout=10)
+    wait_until(lambda: client.hget(key, "detached_at") is not None, timeout=10)
+    client.close()
     noticed = time.monotonic() - left
     time.sleep(max(0.0, 1.5 - noticed))  # past the grace (1 s here) before it can run
     requests.delete(f"{server.base_url}/v1/jobs/{blocker_id}", timeout=10)
