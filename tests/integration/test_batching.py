@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import requests
 
 from jobs.engine import LlamaEngine
 from jobs.testmodel import write_test_model
@@ -32,7 +31,7 @@ from tests.integration.helpers import (
     submit_stream,
     wait_until,
 )
-from tests.integration.test_parking import _long
+from tests.integration.test_parking import _long, _metrics
 from tests.integration.test_workers import Cluster, running_cluster
 
 N_BATCH = 16
@@ -253,7 +252,7 @@ def test_an_interactive_stream_keeps_its_pace_beside_batch_sequences(
 
 
 def _held_bytes(c: Cluster) -> float:
-    return _metrics(c)["parkq_checkpoint_bytes{}"]  # type: ignore[arg-type]
+    return _metrics(c)["parkq_checkpoint_bytes{}"]  # type: ignore[arg-type]  # a Cluster has base_url
 
 
 @pytest.mark.timeout(300)
@@ -288,18 +287,6 @@ def test_a_park_keeps_the_kv_in_place_and_a_second_one_copies_the_oldest_out(
         assert logprob_tokens(got) == logprob_tokens(ref)
     assert completion_text(streams[2]) == completion_text(references[2])
     wait_until(lambda: _held_bytes(c) == 0, timeout=30)  # every copy used up or freed
-
-
-def _metrics(c: Cluster) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    text = requests.get(c.base_url + "/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            out[f"{sample.name}{{{labels}}}"] = sample.value
-    return out
 
 
 @pytest.mark.timeout(300)
