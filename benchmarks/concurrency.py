@@ -1,19 +1,24 @@
-"""Many people at once: k simultaneous interactive streams, for each PARKQ_MAX_SEQS.
+"""Many people at once: k simultaneous interactive streams, for each PARKQ_MAX_SEQS,
+beside llama.cpp's own server.
 
     python -m benchmarks.concurrency [--model PATH] [--seqs 1,8] [--clients 1,2,4,8]
-                                     [--tokens 64] [--threads N]
+                                     [--tokens 64] [--threads N] [--peer-server PATH]
 
 For each sequence count, starts `parkq up` (embedded Redis, web, one worker)
 on the model (default: the demo model), warms it, then for each client count
 sends that many greedy completions at the same moment and records when each
-token arrives. Prints, per cell: TTFT p50 / p95 / max, inter-token p95, and the
-aggregate tokens per second (all tokens over the wall time from the first
-request to the last ``[DONE]``); writes them as JSON.
+token arrives. Then the same bursts against ``llama-server`` (``--peer-server``,
+default the one ``python -m web.bench.llama_server build`` cached; ``none``
+to skip) with ``-np`` equal to the largest sequence count, the same threads,
+context per sequence and kernel path. Prints, per cell: TTFT p50 / p95 / max,
+inter-token p95, and the aggregate tokens per second (all tokens over the wall
+time from the first request to the last ``[DONE]``); writes them as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
@@ -21,6 +26,7 @@ from typing import Any
 
 from benchmarks import write_results
 from scheduler.settings import load_settings
+from web.bench.llama_server import llama_server_path, running_llama_server
 from web.bench.workload import Request, stream
 
 
@@ -62,6 +68,18 @@ def _burst(base_url: str, clients: int, tokens: int) -> dict[str, Any]:
     }
 
 
+def _peer_binary(given: str | None) -> str | None:
+    if given == "none":
+        return None
+    if given:
+        return given
+    cached = llama_server_path()
+    if cached.exists():
+        return str(cached)
+    print(f"no llama-server at {cached} (python -m web.bench.llama_server build): no peer")
+    return None
+
+
 def _demo_model() -> str:
     from jobs.demo_model import assemble_demo_model, demo_model_target
 
@@ -76,13 +94,17 @@ def main() -> None:
     ap.add_argument("--clients", default="1,2,4,8", help="simultaneous streams")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, help="llama.cpp threads (default: PARKQ_N_THREADS)")
+    ap.add_argument("--peer-server", help="llama-server binary (default: the cached build)")
     ap.add_argument("--out", default="bench-results/concurrency.json")
     args = ap.parse_args()
 
+    from jobs.kernels import choose_kernels
     from web.launcher import Stack
 
+    clients_list = [int(x) for x in args.clients.split(",")]
+    seqs_list = [int(x) for x in args.seqs.split(",")]
     rows = []
-    for seqs in (int(x) for x in args.seqs.split(",")):
+    for seqs in seqs_list:
         overrides: dict[str, Any] = {"port": 0, "log_level": "WARNING", "n_ctx": 1024,
                                      "max_seqs": seqs}  # fmt: skip
         overrides["model"] = args.model or _demo_model()
@@ -91,16 +113,31 @@ def main() -> None:
         settings = load_settings(**overrides)
         with Stack(settings) as stack:
             _burst(stack.base_url, 1, 8)  # warm: the model's pages, the first prefill
-            for clients in (int(x) for x in args.clients.split(",")):
-                row = {"max_seqs": seqs, **_burst(stack.base_url, clients, args.tokens)}
+            for clients in clients_list:
+                row = {"system": "parkq", "max_seqs": seqs,
+                       **_burst(stack.base_url, clients, args.tokens)}  # fmt: skip
                 rows.append(row)
                 print(row, flush=True)
-    print(f"\n{'max_seqs':>8} {'clients':>7} {'TTFT p50':>9} {'p95':>8} {'max':>8} "
+    peer = _peer_binary(args.peer_server)
+    if peer is not None:
+        extra = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir)
+        threads = settings.n_threads or len(os.sched_getaffinity(0))
+        with running_llama_server(peer, model=settings.model or "", seqs=max(seqs_list),
+                                  n_ctx=settings.n_ctx, threads=threads,
+                                  extra_buffers=extra.extra_buffers) as base:  # fmt: skip
+            _burst(base, 1, 8)
+            for clients in clients_list:
+                row = {"system": "llama-server", "max_seqs": max(seqs_list),
+                       **_burst(base, clients, args.tokens)}  # fmt: skip
+                rows.append(row)
+                print(row, flush=True)
+    print(f"\n{'system':>12} {'seqs':>5} {'clients':>7} {'TTFT p50':>9} {'p95':>8} {'max':>8} "
           f"{'ITL p95':>8} {'tok/s':>7}")  # fmt: skip
     for r in rows:
-        cells = [r["max_seqs"], r["clients"], r["ttft_ms_p50"], r["ttft_ms_p95"],
+        cells = [r["system"], r["max_seqs"], r["clients"], r["ttft_ms_p50"], r["ttft_ms_p95"],
                  r["ttft_ms_max"], r["inter_token_ms_p95"], r["aggregate_tok_s"]]  # fmt: skip
-        print(" ".join(f"{c!s:>{w}}" for c, w in zip(cells, (8, 7, 9, 8, 8, 8, 7), strict=True)))
+        widths = (12, 5, 7, 9, 8, 8, 8, 7)
+        print(" ".join(f"{c!s:>{w}}" for c, w in zip(cells, widths, strict=True)))
     write_results(args.out, {"model": settings.model, "threads": settings.n_threads,
                              "tokens": args.tokens, "rows": rows})  # fmt: skip
 

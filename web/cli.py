@@ -404,10 +404,17 @@ def demo(model: str | None, prompt: str, max_tokens: int | None, question: str) 
     show_default=True,
     help="Folder for bench.json and bench.png.",
 )
+@click.option(
+    "--peer-server",
+    help="llama.cpp's llama-server binary, run as one more mode with as many slots as "
+    "PARKQ_MAX_SEQS [the one `python -m web.bench.llama_server build` cached, if any; "
+    "'none' skips it].",
+)
 def bench(model: str | None, quick: bool, duration: float | None, rate: float | None,
           short_tokens: int | None, long_tokens: int | None, long_prompt_words: int,
-          seed: int, out: Path) -> None:  # fmt: skip
-    """Benchmark parkq against --no-preempt, llama_cpp.server and an idle engine."""
+          seed: int, out: Path, peer_server: str | None) -> None:  # fmt: skip
+    """Benchmark parkq against --no-preempt, llama_cpp.server, llama-server and an idle
+    engine."""
     import tempfile
 
     from jobs.engine import Vocab
@@ -429,7 +436,14 @@ def bench(model: str | None, quick: bool, duration: float | None, rate: float | 
     )
     vocab = Vocab(settings.model or "", settings.chat_format)
     eos = sorted({t for t in (vocab.eos, *_eog_ids(vocab)) if t >= 0})
-    run_bench(settings, workload, eos, out, click.echo)
+    if peer_server is None:
+        from web.bench.llama_server import llama_server_path
+
+        cached = llama_server_path(settings.cache_dir)
+        peer_server = str(cached) if cached.exists() else None
+    elif peer_server == "none":
+        peer_server = None
+    run_bench(settings, workload, eos, out, click.echo, peer_server)
 
 
 @main.command("batch")

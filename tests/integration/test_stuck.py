@@ -278,3 +278,66 @@ def test_a_batchs_results_outlive_the_result_ttl_and_its_keys_are_bounded(
             assert 0 < output_file["expires_at"] - time.time() <= retention
         finally:
             client.close()
+
+
+def _batch_status(c: Cluster, batch_id: str) -> dict:
+    return requests.get(f"{c.base_url}/v1/batches/{batch_id}", timeout=10).json()
+
+
+@pytest.mark.timeout(300)
+def test_a_batch_is_answered_while_validating_and_cancelled_then_runs_no_line(
+    redis_server, tiny_model: Path, tmp_path: Path
+) -> None:
+    """`POST /v1/batches` answers before its lines are read (the web's
+    validation is held by the test, tests/faultweb.py); other requests are
+    served meanwhile; a batch cancelled during validation never runs a line,
+    and the next batch runs normally once validation may go on."""
+    gate = tmp_path / "validation-may-go-on"
+    web_env = {"PARKQ_TEST_VALIDATION_GATE": str(gate)}
+    prefix = f"validating{time.monotonic_ns()}"
+    with running_cluster(redis_server.url, tiny_model, tmp_path, prefix, ("w",), web_env) as c:
+        lines = [_line(f"doc-{i}", f"Document {i} says") for i in range(3)]
+        uploaded = requests.post(
+            f"{c.base_url}/v1/files",
+            files={"file": ("in.jsonl", "\n".join(lines).encode())},
+            data={"purpose": "batch"},
+            timeout=30,
+        ).json()
+        body = {"input_file_id": uploaded["id"], "endpoint": "/v1/completions",
+                "completion_window": "24h"}  # fmt: skip
+        held = requests.post(f"{c.base_url}/v1/batches", json=body, timeout=30)
+        assert held.status_code == 200 and held.json()["status"] == "validating"
+        held_id = held.json()["id"]
+
+        # Served while the batch is being validated.
+        resp = submit_stream(c.base_url, {"prompt": "Meanwhile", "max_tokens": 8})
+        events = read_events(resp)
+        assert events[-1][1] == "[DONE]" and completion_text(events)
+        assert _batch_status(c, held_id)["status"] == "validating"
+
+        cancelled = requests.post(f"{c.base_url}/v1/batches/{held_id}/cancel", timeout=30)
+        assert cancelled.status_code == 200
+        assert cancelled.json()["status"] in ("cancelling", "cancelled")
+        second = requests.post(f"{c.base_url}/v1/batches", json=body, timeout=30).json()
+        assert second["status"] == "validating"
+
+        gate.touch()
+        deadline = time.monotonic() + 240
+        while (done := _batch_status(c, second["id"]))["status"] not in ("completed", "failed"):
+            assert time.monotonic() < deadline, done
+            time.sleep(0.2)
+        assert done["status"] == "completed" and done["request_counts"]["completed"] == 3
+
+        ended = _batch_status(c, held_id)
+        assert ended["status"] == "cancelled", ended
+        assert ended["request_counts"]["completed"] == 0
+        assert ended["output_file_id"] is None
+        # No line of the cancelled batch ever reached a queue or a worker: the
+        # worker ran the interactive request and the second batch's 3 lines only.
+        client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+        try:
+            jobs = [k for k in client.scan_iter("{" + prefix + "}:job:*") if k.count(":") == 2]
+            assert len(jobs) == 4, jobs
+            assert not list(client.scan_iter("{" + prefix + "}:pending:*"))
+        finally:
+            client.close()

@@ -54,15 +54,26 @@ class Cluster:
         cwd.mkdir(exist_ok=True)
         self.procs[name] = subprocess.Popen([*CLI, *argv], env={**self.env, **(env or {})}, cwd=cwd)
 
+    def start_web(self, env: dict[str, str] | None = None) -> None:
+        """`parkq web`; one with faults (``PARKQ_TEST_*`` in ``env``, see
+        tests/faultweb.py) runs through the fault-injecting wrapper."""
+        if env and any(k.startswith("PARKQ_TEST_") for k in env):
+            self._start_faulty("web", "tests.faultweb", ["--port", str(self.port)], env)
+            return
+        self.start("web", ["web", "--port", str(self.port)], env)
+
+    def _start_faulty(self, name: str, module: str, argv: list[str], env: dict[str, str]) -> None:
+        cwd = self.root / name
+        cwd.mkdir(exist_ok=True)
+        full = {**self.env, **env, "PYTHONPATH": str(Path(__file__).parents[2])}
+        argv = [sys.executable, "-m", module, *argv]
+        self.procs[name] = subprocess.Popen(argv, env=full, cwd=cwd)
+
     def start_worker(self, name: str, env: dict[str, str] | None = None) -> None:
         """A `parkq worker`; one with faults (``PARKQ_TEST_*`` in ``env``, see
         tests/faultworker.py) runs through the fault-injecting wrapper."""
         if env and any(k.startswith("PARKQ_TEST_") for k in env):
-            cwd = self.root / name
-            cwd.mkdir(exist_ok=True)
-            argv = [sys.executable, "-m", "tests.faultworker", "--name", name]
-            full = {**self.env, **env, "PYTHONPATH": str(Path(__file__).parents[2])}
-            self.procs[name] = subprocess.Popen(argv, env=full, cwd=cwd)
+            self._start_faulty(name, "tests.faultworker", ["--name", name], env)
             return
         self.start(name, ["worker", "--name", name], env)
 
@@ -87,11 +98,16 @@ class Cluster:
 
 @contextlib.contextmanager
 def running_cluster(
-    redis_url: str, model: Path, root: Path, prefix: str, workers: tuple[str, ...]
+    redis_url: str,
+    model: Path,
+    root: Path,
+    prefix: str,
+    workers: tuple[str, ...],
+    web_env: dict[str, str] | None = None,
 ) -> Iterator[Cluster]:
     """`parkq web` and the named workers, stopped on exit."""
     c = Cluster(redis_url, model, root, prefix=prefix)
-    c.start("web", ["web", "--port", str(c.port)])
+    c.start_web(web_env)
     for name in workers:
         c.start_worker(name)
     try:

@@ -19,7 +19,14 @@ from scheduler.settings import Settings
 from web.bench.workload import SHORT_BODY, Observed, Request, Workload, play, stream
 from web.launcher import Stack, free_port
 
-__all__ = ["bare_decode_rate", "idle_ttft", "run_parkq", "run_peer", "summarize"]
+__all__ = [
+    "bare_decode_rate",
+    "idle_ttft",
+    "run_llama_server",
+    "run_parkq",
+    "run_peer",
+    "summarize",
+]
 
 
 def _pct(values: list[float], p: float) -> float | None:
@@ -135,6 +142,24 @@ def run_peer(
         _warm(base)
         bias = {str(t): -100.0 for t in eos}  # the peer has no ignore_eos
         obs = play(base, workload, {"logit_bias": bias})
+    return summarize(obs), timeline(obs)
+
+
+def run_llama_server(
+    settings: Settings, workload: Workload, binary: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The workload against llama.cpp's own server (continuous batching, no
+    priorities) with as many slots as parkq's worker has sequences, the same
+    threads, context per sequence and kernel path."""
+    from web.bench.llama_server import running_llama_server
+
+    extra = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir)
+    threads = settings.n_threads or len(os.sched_getaffinity(0))
+    with running_llama_server(binary, model=settings.model or "", seqs=max(2, settings.max_seqs),
+                              n_ctx=settings.n_ctx, threads=threads,
+                              extra_buffers=extra.extra_buffers) as base:  # fmt: skip
+        _warm(base)
+        obs = play(base, workload, {"ignore_eos": True})
     return summarize(obs), timeline(obs)
 
 

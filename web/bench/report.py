@@ -14,7 +14,7 @@ from web.bench.workload import Workload
 
 __all__ = ["MODES", "run_bench"]
 
-MODES = ("parkq", "parkq_no_preempt", "parkq_no_shorts", "peer", "idle")
+MODES = ("parkq", "parkq_no_preempt", "parkq_no_shorts", "peer", "llama_server", "idle")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -41,6 +41,13 @@ def ratios(r: dict[str, Any]) -> dict[str, float | None]:
         "long_rate_over_bare_loop": _ratio(
             r["parkq_no_shorts"]["long_tokens_per_s"], r["bare_loop_tokens_per_s"]
         ),
+        "ttft_llama_server_over_parkq_p95": _ratio(
+            ttft(r["llama_server"], "p95") if "llama_server" in r else None, ttft(p, "p95")
+        ),
+        "throughput_parkq_over_llama_server": _ratio(
+            p["aggregate_tokens_per_s"],
+            r["llama_server"]["aggregate_tokens_per_s"] if "llama_server" in r else None,
+        ),
     }
 
 
@@ -50,7 +57,10 @@ def run_bench(
     eos: list[int],
     out: Path,
     say: Callable[[str], None],
+    peer_server: str | None = None,
 ) -> dict[str, Any]:
+    """Every mode in turn; ``peer_server`` (a ``llama-server`` binary) adds llama.cpp's
+    own server as the ``llama_server`` mode."""
     results: dict[str, Any] = {
         "workload": workload.to_json(),
         "model": Path(settings.model or "").name,
@@ -64,6 +74,9 @@ def run_bench(
         ("parkq_no_shorts", lambda: modes.run_parkq(settings, longs_only)),
         ("peer", lambda: modes.run_peer(settings, workload, eos)),
     ]
+    if peer_server:
+        peer = peer_server
+        plan.append(("llama_server", lambda: modes.run_llama_server(settings, workload, peer)))
     for name, run in plan:
         t0 = time.monotonic()
         say(f"bench: {name} ...")
@@ -98,7 +111,7 @@ def _table(r: dict[str, Any]) -> list[str]:
         f"{'all tok/s':>10} {'preempt':>8} {'park p50/p95 ms':>16} "
         f"{'resume p50/p95 ms':>18} {'ckpt MB':>8}",
     ]
-    for name in MODES:
+    for name in (m for m in MODES if m in r):
         m = r[name]
         t = m["short_ttft_ms"]
         park, resume, ck = (m.get(k, {}) for k in ("park_ms", "resume_ms", "checkpoint_bytes"))
@@ -121,7 +134,7 @@ def _figure(r: dict[str, Any], timelines: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [m for m in ("parkq", "parkq_no_preempt", "peer") if m in timelines]
+    shown = [m for m in ("parkq", "parkq_no_preempt", "peer", "llama_server") if m in timelines]
     fig, axes = plt.subplots(len(shown) + 1, 1, figsize=(11, 2.2 * len(shown) + 3.2))
     for ax, name in zip(axes, shown, strict=False):
         tl = timelines[name]
@@ -137,11 +150,12 @@ def _figure(r: dict[str, Any], timelines: dict[str, Any], path: Path) -> None:
     axes[0].legend(loc="upper right", fontsize=7)
     axes[-2].set_xlabel("seconds")
     box = axes[-1]
+    boxed = [m for m in MODES if m in r]
     series = [
         timelines[m]["short_ttft_ms"] if m in timelines else r[m].get("samples_ms", [])
-        for m in MODES
+        for m in boxed
     ]
-    box.boxplot([x or [float("nan")] for x in series], tick_labels=list(MODES), showfliers=True)
+    box.boxplot([x or [float("nan")] for x in series], tick_labels=boxed, showfliers=True)
     box.set_yscale("log")
     box.set_ylabel("short TTFT (ms, log)")
     box.set_title("short request time to first token per mode", fontsize=9)
