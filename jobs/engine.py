@@ -217,6 +217,13 @@ class LlamaEngine(Vocab):
         params.n_seq_max = n_seq_max
         params.kv_unified = False
         params.swa_full = True
+        # No flash attention: for one sequence decoded alone with 512 or more KV
+        # cells, llama.cpp's CPU flash attention splits the cells into one chunk
+        # per thread and merges the partial sums, which rounds otherwise than the
+        # unsplit path a batch of sequences takes (and otherwise for each thread
+        # count). The plain attention gives a sequence the same logits alone,
+        # beside others and on any number of threads (tests/integration/test_batching.py).
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         # llama.cpp's default (4 threads) oversubscribes small machines: use the cores.
         threads = n_threads or len(os.sched_getaffinity(0))
         params.n_threads = threads

@@ -108,6 +108,57 @@ def test_a_sequence_decoded_beside_others_gets_the_logits_it_gets_alone(any_mode
             assert np.array_equal(a, b), f"sequence {seq} differs at step {i}"
 
 
+#: Past 512 KV cells, where llama.cpp's CPU flash attention would split a lone
+#: sequence's cells into one chunk per thread (and so round otherwise than in a
+#: batch, and otherwise for each thread count).
+LONG_CONTEXT = 700
+
+
+def _long_run(engine: LlamaEngine, ids: list[int], neighbour: list[int] | None) -> list[np.ndarray]:
+    """Prefill ``ids`` in sequence 0, then decode a few greedy steps, alone or in one
+    call with a ``neighbour`` sequence (1) decoding beside it."""
+    engine.clear(-1)
+    out = [_prefill(engine, ids, 0)]
+    other = [_prefill(engine, neighbour, 1)] if neighbour else []
+    for i in range(6):
+        calls = [(0, int(np.argmax(out[-1])), len(ids) + i)]
+        if neighbour:
+            calls.append((1, int(np.argmax(other[-1])), len(neighbour) + i))
+        if neighbour:
+            logits = engine._decode(calls)
+        else:
+            logits = [engine.eval([calls[0][1]], calls[0][2], 0)]
+        out.append(logits[0])
+        other.extend(logits[1:])
+    return out
+
+
+def test_a_long_sequence_gets_the_same_logits_alone_beside_others_and_on_any_thread_count(
+    q8_model: Path,
+) -> None:
+    rng = np.random.default_rng(5)
+
+    def engine(threads: int, seqs: int) -> LlamaEngine:
+        return LlamaEngine(str(q8_model), n_ctx=1024, n_batch=N_BATCH, n_threads=threads,
+                           n_seq_max=seqs, extra_buffers=False)  # fmt: skip
+
+    two = engine(2, 2)
+    ids = [int(x) for x in rng.integers(3, two.n_vocab, LONG_CONTEXT)]
+    short = [int(x) for x in rng.integers(3, two.n_vocab, 20)]
+    alone = _long_run(two, ids, None)
+    beside_short = _long_run(two, ids, short)
+    beside_long = _long_run(two, ids, ids[::-1])
+    two.close()
+    one = engine(1, 1)
+    one_thread = _long_run(one, ids, None)
+    one.close()
+    runs = {"beside a short sequence": beside_short, "beside a long sequence": beside_long,
+            "on one thread": one_thread}  # fmt: skip
+    for name, run in runs.items():
+        for i, (a, b) in enumerate(zip(alone, run, strict=True)):
+            assert np.array_equal(a, b), f"{name}: step {i} differs by {np.max(np.abs(a - b))}"
+
+
 def _concurrent(c: Cluster, bodies: list[dict]) -> tuple[list[str], list[list[tuple[int, str]]]]:
     """Submit every body at once; read the streams side by side."""
     results: list[list[tuple[int, str]]] = [[] for _ in bodies]

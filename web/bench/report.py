@@ -12,9 +12,11 @@ from scheduler.settings import Settings
 from web.bench import modes
 from web.bench.workload import Workload
 
-__all__ = ["MODES", "run_bench"]
+__all__ = ["MODES", "OPTIONAL_MODES", "run_bench"]
 
 MODES = ("parkq", "parkq_no_preempt", "parkq_no_shorts", "peer", "llama_server", "idle")
+#: Modes that run only when their system is there (llama-server: a binary built once).
+OPTIONAL_MODES = ("llama_server",)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -24,7 +26,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def ratios(r: dict[str, Any]) -> dict[str, float | None]:
     p, np_, peer, idle = r["parkq"], r["parkq_no_preempt"], r["peer"], r["idle"]
     ttft = lambda m, q: m["short_ttft_ms"][q]  # noqa: E731
-    return {
+    out = {
         "ttft_busy_over_idle_p50": _ratio(ttft(p, "p50"), ttft(idle, "p50")),
         "ttft_busy_over_idle_p95": _ratio(ttft(p, "p95"), ttft(idle, "p95")),
         "ttft_no_preempt_over_preempt_p50": _ratio(ttft(np_, "p50"), ttft(p, "p50")),
@@ -41,14 +43,15 @@ def ratios(r: dict[str, Any]) -> dict[str, float | None]:
         "long_rate_over_bare_loop": _ratio(
             r["parkq_no_shorts"]["long_tokens_per_s"], r["bare_loop_tokens_per_s"]
         ),
-        "ttft_llama_server_over_parkq_p95": _ratio(
-            ttft(r["llama_server"], "p95") if "llama_server" in r else None, ttft(p, "p95")
-        ),
-        "throughput_parkq_over_llama_server": _ratio(
-            p["aggregate_tokens_per_s"],
-            r["llama_server"]["aggregate_tokens_per_s"] if "llama_server" in r else None,
-        ),
     }
+    if "llama_server" in r:
+        out.update(
+            ttft_llama_server_over_parkq_p95=_ratio(ttft(r["llama_server"], "p95"), ttft(p, "p95")),
+            throughput_parkq_over_llama_server=_ratio(
+                p["aggregate_tokens_per_s"], r["llama_server"]["aggregate_tokens_per_s"]
+            ),
+        )
+    return out
 
 
 def run_bench(
