@@ -28,6 +28,10 @@ __all__ = [
 ]
 
 
+#: Decode steps the batching probe compares per sequence (see probe_batching).
+PROBE_STEPS = 16
+
+
 class EngineError(RuntimeError):
     """llama.cpp refused a step (e.g. ``llama_decode`` failed)."""
 
@@ -104,6 +108,8 @@ class Vocab:
         extra_buffers: bool = True,
     ):
         self.model = _load_model(path, vocab_only, extra_buffers)
+        self.path = path
+        self.extra_buffers = extra_buffers
         self._vocab = self.model.vocab
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.n_ctx_train = int(self.model.n_ctx_train())
@@ -228,6 +234,7 @@ class LlamaEngine(Vocab):
         threads = n_threads or len(os.sched_getaffinity(0))
         params.n_threads = threads
         params.n_threads_batch = threads
+        self.n_threads = threads
         self.ctx = _internals.LlamaContext(model=self.model, params=params, verbose=False)
         #: Positions per sequence.
         self.n_ctx = int(llama_cpp.llama_n_ctx(self.ctx.ctx)) // n_seq_max
@@ -276,44 +283,66 @@ class LlamaEngine(Vocab):
         ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, n - 1)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
-    def batch_invariant(self, size: int, steps: int = 3) -> bool:
-        """Whether one token of each of ``size`` sequences in one ``llama_decode``
-        gives each the same logits, bit for bit, as decoding it alone. It depends
-        on the kernels and the batch size (measured here, Q4_K_M on 2 cores: up
-        to 7 sequences the quantized matrix products run row by row, as for one
-        token, and agree; from 8 on a tiled kernel takes over and sums in
-        another order; f32 weights differ from 2 on). Clears every sequence."""
-        prompt = self.tokenize("parkq checks that batching changes nothing.")[: self.n_batch]
-        self.clear(-1)
-        alone = [self.eval(prompt, 0, 0)]
-        pos = len(prompt)
-        for i in range(steps):
-            alone.append(self.eval([int(np.argmax(alone[-1]))], pos + i, 0))
-        self.clear(-1)
-        together = [[self.eval(prompt, 0, s)] for s in range(size)]
-        for i in range(steps):
-            calls = [(s, int(np.argmax(together[s][-1])), pos + i) for s in range(size)]
-            for s, logits in enumerate(self._decode(calls)):
-                together[s].append(logits)
-        self.clear(-1)
-        return all(
-            np.array_equal(a, b) for seq in together for a, b in zip(alone, seq, strict=True)
-        )
+    def _probe_prompts(self, count: int) -> list[list[int]]:
+        """``count`` different prompts of different lengths (short to past 512
+        positions, where some attention kernels change path)."""
+        text = self.tokenize("parkq checks that batching changes nothing in any sequence. ")
+        lengths = [min(self.n_ctx - PROBE_STEPS - 1, 40 + 90 * i) for i in range(count)]
+        return [[text[(i + j) % len(text)] for j in range(n)] for i, n in enumerate(lengths)]
 
-    def probe_batching(self, limit: int | None = None) -> int:
-        """Find the batch sizes (up to ``limit`` sequences) whose every sequence
-        gets its logits alone, time one decode call of each, and plan, for each
-        number of sequences, the split into calls that takes least time
-        (:meth:`decode` follows it). Returns the largest invariant size.
+    def _prefill(self, ids: Sequence[int], seq: int) -> np.ndarray:
+        logits = None
+        for start in range(0, len(ids), self.n_batch):
+            logits = self.eval(ids[start : start + self.n_batch], start, seq)
+        assert logits is not None
+        return logits
 
-        Measured here, Q4_K_M on 2 cores: sizes up to 7 are invariant and run
-        row by row (1: 12 ms, 2: 26 ms, 4: 37 ms), so 2 sequences decode in two
-        calls and 4 in one; from 8 on a tiled kernel (8: 52 ms) sums in another
-        order and is not used."""
+    def _batch_matches(
+        self, size: int, prompts: list[list[int]], alone: list[list[np.ndarray]]
+    ) -> bool:
+        """Whether ``size`` sequences decoded together (one call per step) get,
+        bit for bit, the logits each got alone. Leaves the prompts in place."""
+        for seq in range(size):
+            self.truncate(len(prompts[seq]), seq)
+        last = [alone[seq][0] for seq in range(size)]
+        for step in range(PROBE_STEPS):
+            calls = [(s, int(np.argmax(last[s])), len(prompts[s]) + step) for s in range(size)]
+            last = self._decode(calls) if size > 1 else [self.eval([calls[0][1]], calls[0][2], 0)]
+            if not all(np.array_equal(last[s], alone[s][step + 1]) for s in range(size)):
+                return False
+        return True
+
+    def invariant_batch_size(self, limit: int | None = None) -> int:
+        """The most sequences (up to ``limit``) one decode call may take with every
+        sequence getting, bit for bit, the logits it gets alone.
+
+        The check decodes sequences of different lengths (40 to several hundred
+        positions) for PROBE_STEPS steps: some kernels differ only now and then
+        (a rounding that flips an activation's quantized value), so a short check
+        can pass where a long one fails. Measured here (demo model, Q4_K_M, 2
+        cores, no flash attention): up to 7 sequences agree at any length; with 8
+        a sequence's logits change within a few steps past 400 positions. Clears
+        every sequence."""
         limit = min(limit or self.n_seq_max, self.n_seq_max)
-        invariant = 1
-        while invariant < limit and self.batch_invariant(invariant + 1):
+        self.clear(-1)
+        prompts = self._probe_prompts(limit)
+        alone: list[list[np.ndarray]] = []
+        for seq, ids in enumerate(prompts):
+            out = [self._prefill(ids, seq)]
+            for step in range(PROBE_STEPS):
+                out.append(self.eval([int(np.argmax(out[-1]))], len(ids) + step, seq))
+            alone.append(out)
+        invariant = 0
+        while invariant < limit and self._batch_matches(invariant + 1, prompts, alone):
             invariant += 1
+        self.clear(-1)
+        return max(invariant, 1)  # one call per sequence is "alone" by definition
+
+    def plan_batching(self, invariant: int) -> None:
+        """Time one decode call of each size up to ``invariant`` and plan, for each
+        number of sequences, the split into calls that takes least time
+        (:meth:`decode` follows it). Clears every sequence."""
+        invariant = max(1, min(invariant, self.n_seq_max))
         cost = {k: self._time_step(k) for k in range(1, invariant + 1)}
         best: list[tuple[float, list[int]]] = [(0.0, [])]
         for n in range(1, self.n_seq_max + 1):
@@ -326,7 +355,12 @@ class LlamaEngine(Vocab):
         self._splits = [sorted(sizes, reverse=True) for _, sizes in best]
         self.max_batch = invariant
         self.clear(-1)
-        return invariant
+
+    def probe_batching(self, limit: int | None = None) -> int:
+        """:meth:`invariant_batch_size`, then :meth:`plan_batching`; the size."""
+        size = self.invariant_batch_size(limit)
+        self.plan_batching(size)
+        return size
 
     def splits_described(self) -> str:
         return ", ".join(

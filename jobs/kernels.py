@@ -28,10 +28,20 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scheduler.settings import cache_root
 
-__all__ = ["KernelChoice", "choose_kernels", "peer_server_command", "probe_command"]
+if TYPE_CHECKING:
+    from jobs.engine import LlamaEngine
+
+__all__ = [
+    "KernelChoice",
+    "choose_kernels",
+    "invariant_batch_size",
+    "peer_server_command",
+    "probe_command",
+]
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +154,30 @@ def choose_kernels(
     except OSError as exc:
         log.warning("cannot cache the kernel verdict at %s: %s", path, exc)
     return choice
+
+
+def invariant_batch_size(engine: LlamaEngine, limit: int, cache_dir: str | None) -> tuple[int, str]:
+    """How many sequences one decode call of ``engine`` may take and stay exact
+    (:meth:`LlamaEngine.invariant_batch_size`), checked once and cached per
+    llama.cpp build, CPU, model file and engine shape; and where it came from."""
+    from jobs.engine import build_info
+
+    shape = f"batch {limit} threads {engine.n_threads} ctx {engine.n_ctx} seqs {engine.n_seq_max}"
+    key = _cache_key(engine.path, f"{build_info()}\n{shape}\n{engine.extra_buffers}")
+    path = _cache_path(cache_dir, key)
+    try:
+        return int(json.loads(path.read_text())["invariant_batch_size"]), "cached"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    size = engine.invariant_batch_size(limit)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"invariant_batch_size": size}))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("cannot cache the batching verdict at %s: %s", path, exc)
+    return size, "checked"
 
 
 def _run_probe(model: str) -> None:

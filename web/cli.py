@@ -255,7 +255,7 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
 
     from jobs.engine import LlamaEngine
     from jobs.identity import identify
-    from jobs.kernels import choose_kernels
+    from jobs.kernels import choose_kernels, invariant_batch_size
     from jobs.worker import Worker, default_worker_name
     from web.app import model_name
 
@@ -291,12 +291,14 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(f"cannot load the model {settings.model}: {exc}") from None
     if settings.max_seqs > 1:
-        size = engine.probe_batching(settings.max_seqs)
+        size, how = invariant_batch_size(engine, settings.max_seqs, settings.cache_dir)
+        engine.plan_batching(size)
         log.info(
             "%d sequences; one decode call takes up to %d of them (the most for which "
-            "these kernels give each sequence its logits alone), split as timed: %s",
+            "these kernels give each sequence its logits alone; %s), split as timed: %s",
             settings.max_seqs,
             size,
+            how,
             engine.splits_described(),
         )
     identity = identify(

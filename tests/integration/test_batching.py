@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from jobs.engine import LlamaEngine
+from jobs.kernels import invariant_batch_size
 from jobs.testmodel import write_test_model
 from tests.integration.helpers import (
     completion_text,
@@ -157,6 +158,19 @@ def test_a_long_sequence_gets_the_same_logits_alone_beside_others_and_on_any_thr
     for name, run in runs.items():
         for i, (a, b) in enumerate(zip(alone, run, strict=True)):
             assert np.array_equal(a, b), f"{name}: step {i} differs by {np.max(np.abs(a - b))}"
+
+
+def test_the_batching_verdict_is_checked_once_per_engine_shape_and_cached(
+    q8_model: Path, tmp_path: Path
+) -> None:
+    engine = _engine(q8_model, 4)
+    first = invariant_batch_size(engine, 4, str(tmp_path))
+    assert first[1] == "checked" and 1 <= first[0] <= 4
+    assert invariant_batch_size(engine, 4, str(tmp_path)) == (first[0], "cached")
+    assert invariant_batch_size(engine, 3, str(tmp_path))[1] == "checked"  # another shape
+    engine.plan_batching(first[0])
+    assert engine.max_batch == first[0]
+    engine.close()
 
 
 def _concurrent(c: Cluster, bodies: list[dict]) -> tuple[list[str], list[list[tuple[int, str]]]]:
