@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench-results/concurrency.json")
     args = ap.parse_args()
 
-    from jobs.kernels import choose_kernels
+    from jobs.kernels import worker_kernels
     from web.launcher import Stack
 
     clients_list = [int(x) for x in args.clients.split(",")]
@@ -120,7 +120,8 @@ def main() -> None:
                 print(row, flush=True)
     peer = _peer_binary(args.peer_server)
     if peer is not None:
-        extra = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir)
+        settings = settings.model_copy(update={"max_seqs": max(seqs_list)})
+        extra = worker_kernels(settings)
         threads = settings.n_threads or len(os.sched_getaffinity(0))
         with running_llama_server(peer, model=settings.model or "", seqs=max(seqs_list),
                                   n_ctx=settings.n_ctx, threads=threads,

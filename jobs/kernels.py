@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scheduler.settings import cache_root
+from scheduler.settings import Settings, cache_root
 
 if TYPE_CHECKING:
     from jobs.engine import LlamaEngine
@@ -41,6 +41,7 @@ __all__ = [
     "invariant_batch_size",
     "peer_server_command",
     "probe_command",
+    "worker_kernels",
 ]
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,25 @@ def invariant_batch_size(engine: LlamaEngine, limit: int, cache_dir: str | None)
     except OSError as exc:
         log.warning("cannot cache the batching verdict at %s: %s", path, exc)
     return size, "checked"
+
+
+def worker_kernels(settings: Settings) -> KernelChoice:
+    """The kernel path a worker with ``settings`` takes (and so the bench's peers).
+
+    With several sequences per engine, ``auto`` takes the plain kernels even
+    where repacked weights work: the repacked matrix products switch to another
+    kernel (another summation order) from 4 rows on, so a sequence decoded
+    beside 3 others gets other logits than alone (measured on an AVX-512 CPU,
+    demo model: batch-invariant up to 3 sequences with repacked weights, up to 7
+    without, and a lone sequence decodes as fast either way)."""
+    choice = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir)
+    if choice.extra_buffers and settings.max_seqs > 1 and settings.extra_buffers == "auto":
+        return KernelChoice(
+            False,
+            f"{settings.max_seqs} sequences per engine: repacked weights are not "
+            f"batch-invariant ({choice.reason})",
+        )
+    return choice
 
 
 def _run_probe(model: str) -> None:

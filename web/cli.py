@@ -255,7 +255,7 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
 
     from jobs.engine import LlamaEngine
     from jobs.identity import identify
-    from jobs.kernels import choose_kernels, invariant_batch_size
+    from jobs.kernels import invariant_batch_size, worker_kernels
     from jobs.worker import Worker, default_worker_name
     from web.app import model_name
 
@@ -272,7 +272,7 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
     if not settings.redis_url:
         raise click.ClickException("--redis-url (or PARKQ_REDIS_URL) is required")
     preflight(settings)
-    kernels = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir)
+    kernels = worker_kernels(settings)
     log.info(
         "llama.cpp extra buffer types %s: %s",
         "on" if kernels.extra_buffers else "off",

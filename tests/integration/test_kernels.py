@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from jobs.engine import LlamaEngine
-from jobs.kernels import choose_kernels
+from jobs.kernels import choose_kernels, worker_kernels
+from scheduler.settings import Settings, load_settings
 
 #: A probe child that dies as llama.cpp's AMX kernels do on the machines where they crash.
 SEGFAULTING_PROBE = [
@@ -77,3 +78,20 @@ def test_both_kernel_paths_decode_the_same_greedy_tokens(tiny_model: Path) -> No
         engine.close()
         outputs.append(out)
     assert outputs[0] == outputs[1]
+
+
+def test_several_sequences_take_the_plain_kernels_unless_told_otherwise(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    cache = str(tmp_path)
+    passing = [sys.executable, "-c", "pass"]
+    assert choose_kernels("auto", str(tiny_model), cache, command=passing).extra_buffers
+
+    def settings(**kw: object) -> Settings:
+        return load_settings(model=str(tiny_model), cache_dir=cache, **kw)
+
+    one = worker_kernels(settings(max_seqs=1))
+    assert one.extra_buffers  # one sequence: the probe's verdict (cached: on)
+    several = worker_kernels(settings(max_seqs=4))
+    assert not several.extra_buffers and "not batch-invariant" in several.reason
+    assert worker_kernels(settings(max_seqs=4, extra_buffers="on")).extra_buffers

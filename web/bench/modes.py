@@ -13,7 +13,7 @@ import numpy as np
 import redis
 import requests
 
-from jobs.kernels import choose_kernels, peer_server_command
+from jobs.kernels import peer_server_command, worker_kernels
 from jobs.store import Store
 from scheduler.settings import Settings
 from web.bench.workload import SHORT_BODY, Observed, Request, Workload, play, stream
@@ -104,7 +104,7 @@ def peer_server(settings: Settings) -> Iterator[str]:
     port = free_port()
     threads = str(settings.n_threads or len(os.sched_getaffinity(0)))
     # The peer runs the kernels parkq's worker chose for this machine and model.
-    extra = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir)
+    extra = worker_kernels(settings)
     argv = [*peer_server_command(extra.extra_buffers), "--model", settings.model or "",
             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(settings.n_ctx),
             "--n_threads", threads, "--n_threads_batch", threads]  # fmt: skip
@@ -153,7 +153,7 @@ def run_llama_server(
     threads, context per sequence and kernel path."""
     from web.bench.llama_server import running_llama_server
 
-    extra = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir)
+    extra = worker_kernels(settings)
     threads = settings.n_threads or len(os.sched_getaffinity(0))
     with running_llama_server(binary, model=settings.model or "", seqs=max(2, settings.max_seqs),
                               n_ctx=settings.n_ctx, threads=threads,
@@ -183,7 +183,7 @@ def bare_decode_rate(settings: Settings, tokens: int) -> float:
 
     from jobs.engine import set_llama_extra_buffers
 
-    extra = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir)
+    extra = worker_kernels(settings)
     set_llama_extra_buffers(extra.extra_buffers)
     threads = settings.n_threads or len(os.sched_getaffinity(0))
     llm = Llama(model_path=settings.model or "", n_ctx=settings.n_ctx, n_batch=settings.n_batch,
