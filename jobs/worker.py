@@ -251,8 +251,8 @@ class Worker:
     def _step(self) -> None:
         """One engine step. Alone: its next call. Several: the planner
         (scheduler.batching) picks, from the measured step times, who decodes
-        a token in this step's one call and whose prefill chunk runs in a call
-        of its own, with the boundaries it has alone."""
+        a token in this step's one call and whose prefill chunks run, each in a
+        call of its own, with the boundaries it has alone."""
         if len(self._running) == 1:
             (r,) = self._running.values()
             prefill = len(r.call.tokens) > 1
@@ -271,11 +271,13 @@ class Worker:
         if decoding:
             steps = [(r.seq, r.call.tokens[0], r.call.pos) for r in decoding]
             self._measured(len(steps), self._serve(decoding, lambda: self.engine.decode(steps)))
-        if plan.prefill is not None:
-            p = self._running[plan.prefill]
+        for p in [self._running[index] for index in plan.prefill]:
             call = p.call
             self._measured(
-                None, self._serve([p], lambda: [self.engine.eval(call.tokens, call.pos, p.seq)])
+                None,
+                self._serve(
+                    [p], lambda p=p, call=call: [self.engine.eval(call.tokens, call.pos, p.seq)]
+                ),
             )
 
     def _measured(self, n: int | None, ms: float) -> None:

@@ -20,9 +20,13 @@ Invariants (property-tested):
   batch work is never starved;
 - the ones that wait longest are considered first, so the batch sequences
   take turns;
-- a prefill chunk runs when nothing interactive decodes, when the sequence
-  prefilling is interactive itself, or when the chunk's measured cost fits the
-  same slack spread over the steps it has waited.
+- every interactive sequence that is prefilling gets one prefill chunk per
+  step, each in a call of its own (its time to first token is the latency a
+  person feels; a chunk is at most ``n_batch`` tokens, so a decoding stream's
+  step grows by one bounded chunk per arrival, and only until its prompt is in);
+- otherwise at most one batch prefill chunk runs, when nothing interactive
+  decodes or when its measured cost fits the same slack spread over the steps
+  it has waited.
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ class SeqView:
 class StepPlan:
     #: Sequences that decode one token each, in one engine call.
     decode: tuple[int, ...]
-    #: The sequence whose next prefill chunk runs in a call of its own, or None.
-    prefill: int | None
+    #: The sequences whose next prefill chunk runs, each in a call of its own,
+    #: in this order.
+    prefill: tuple[int, ...] = ()
 
 
 def plan_step(
@@ -81,13 +86,14 @@ def plan_step(
         cost = decode_ms.get(len(chosen) + 1)
         if alone is None or cost is None or cost <= alone + _slack(alone, pace, s):
             chosen.append(s)
-    prefill = None
-    waiting = [s for s in seqs if s.prefilling]
-    if waiting:
-        first = min(waiting, key=lambda s: (not s.interactive, -s.key, -s.waited, s.seq))
-        if not urgent or first.interactive or _fits(first, urgent, decode_ms, prefill_ms, pace):
-            prefill = first.seq
-    return StepPlan(tuple(s.seq for s in chosen), prefill)
+    order = sorted((s for s in seqs if s.prefilling), key=lambda s: (-s.key, -s.waited, s.seq))
+    prefill = [s for s in order if s.interactive]
+    batch = [s for s in order if not s.interactive]
+    if not prefill and batch:
+        first = batch[0]
+        if not urgent or _fits(first, urgent, decode_ms, prefill_ms, pace):
+            prefill = [first]
+    return StepPlan(tuple(s.seq for s in chosen), tuple(s.seq for s in prefill))
 
 
 def _fits(

@@ -39,11 +39,14 @@ def test_a_plan_serves_only_running_sequences_and_every_interactive_decode(
     assert set(plan.decode) <= decoding and len(set(plan.decode)) == len(plan.decode)
     assert {s.seq for s in seqs if s.interactive and not s.prefilling} <= set(plan.decode)
     prefilling = [s for s in seqs if s.prefilling]
-    assert plan.prefill is None or plan.prefill in {s.seq for s in prefilling}
-    if prefilling and any(s.interactive for s in prefilling):
-        # An interactive prompt is never held back, and goes before batch ones.
-        chosen = next(s for s in seqs if s.seq == plan.prefill)
-        assert chosen.interactive
+    assert set(plan.prefill) <= {s.seq for s in prefilling}
+    assert len(set(plan.prefill)) == len(plan.prefill)
+    interactive = {s.seq for s in prefilling if s.interactive}
+    if interactive:
+        # Every interactive prompt gets a chunk at every step, and no batch one does.
+        assert set(plan.prefill) == interactive
+    else:
+        assert len(plan.prefill) <= 1
 
 
 @given(SPECS, COSTS, PREFILL)
@@ -53,7 +56,7 @@ def test_without_interactive_decodes_everything_runs(
     seqs = [s for s in _views(specs) if not (s.interactive and not s.prefilling)]
     plan = plan_step(seqs, costs, prefill_ms)
     assert set(plan.decode) == {s.seq for s in seqs if not s.prefilling}
-    assert (plan.prefill is None) == (not any(s.prefilling for s in seqs))
+    assert bool(plan.prefill) == any(s.prefilling for s in seqs)
 
 
 @given(SPECS, COSTS)
@@ -84,11 +87,11 @@ def test_no_sequence_is_starved(
         if all(served.values()):
             break
         plan = plan_step(seqs, costs, prefill_ms, pace=1.3)
-        now = {*plan.decode, *([plan.prefill] if plan.prefill is not None else [])}
+        now = {*plan.decode, *plan.prefill}
         for s in now:
             served[s] = True
-        if plan.prefill is not None:
-            chunks[plan.prefill] -= 1
+        for s in plan.prefill:
+            chunks[s] -= 1
         seqs = [
             replace(
                 s,
@@ -109,10 +112,22 @@ def test_a_batch_sequence_sits_out_while_two_interactive_streams_need_the_pace()
         SeqView(1, 99.0, True, False),
         SeqView(2, 1.0, False, False),
     ]
-    assert plan_step(seqs, costs) == StepPlan((0, 1), None)
+    assert plan_step(seqs, costs) == StepPlan((0, 1))
     # After waiting two steps its slack has grown enough: it decodes beside them.
-    assert plan_step([*seqs[:2], replace(seqs[2], waited=2)], costs) == StepPlan((0, 1, 2), None)
+    assert plan_step([*seqs[:2], replace(seqs[2], waited=2)], costs) == StepPlan((0, 1, 2))
     # Sizes not measured yet are allowed (that is how they get measured) ...
-    assert plan_step(seqs, {2: 20.0}) == StepPlan((0, 1, 2), None)
+    assert plan_step(seqs, {2: 20.0}) == StepPlan((0, 1, 2))
     # ... once the interactive ones' own pace is known: else they step alone once.
-    assert plan_step(seqs, {}) == StepPlan((0, 1), None)
+    assert plan_step(seqs, {}) == StepPlan((0, 1))
+
+
+def test_every_interactive_prompt_gets_a_chunk_each_step_before_any_batch_prompt() -> None:
+    """Eight people at once: each prompt is prefilled in the first step (each
+    chunk in a call of its own), not one per step behind the others' decodes."""
+    arrivals = [SeqView(i, 100.0 - i, True, True) for i in range(8)]
+    batch = SeqView(8, 1.0, False, True, waited=50)
+    plan = plan_step([*arrivals, batch], {1: 12.0}, prefill_ms=20.0)
+    assert plan == StepPlan((), tuple(range(8)))
+    # Once they decode, the batch prompt gets its chunk when it fits the slack.
+    running = [replace(s, prefilling=False) for s in arrivals]
+    assert plan_step([*running, batch], {8: 60.0}, prefill_ms=20.0).prefill == (8,)
