@@ -18,6 +18,8 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _internals, llama_chat_format
 
+from jobs.constraints import Constraint
+
 __all__ = [
     "Engine",
     "EngineError",
@@ -43,6 +45,7 @@ class Engine(Protocol):
     n_vocab: int
 
     def is_eog(self, token: int) -> bool: ...
+    def constraint(self, grammar: str) -> Constraint: ...
     def token_bytes(self, token: int) -> bytes: ...
     def clear(self, seq: int = 0) -> None: ...
     def truncate(self, pos: int, seq: int = 0) -> None: ...
@@ -119,6 +122,7 @@ class Vocab:
         self.metadata = self.model.metadata()
         self._lock = threading.Lock()
         self._piece_cache: dict[int, bytes] = {}
+        self._grammar_tokenizer: Any = None
         self._formatter = self._chat_formatter(chat_format)
 
     def tokenize(
@@ -149,6 +153,32 @@ class Vocab:
 
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    def constraint(self, grammar: str) -> Constraint:
+        """A matcher of ``grammar`` (see jobs/constraints.py) over this vocabulary.
+        The grammar engine's view of the vocabulary is built at the first call
+        (about 3 s for a 262k-token vocabulary) and kept."""
+        with self._lock:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = self._grammar_vocabulary()
+        return Constraint(self._grammar_tokenizer, grammar, self.n_vocab)
+
+    def _grammar_vocabulary(self) -> Any:
+        """The vocabulary as the grammar engine sees it: each token's bytes as
+        parkq streams them (:meth:`token_bytes`); a token that streams nothing
+        (control, unknown) is marked special (a 0xFF prefix), so no grammar
+        can count it as text."""
+        from llguidance import LLTokenizer
+
+        tokens = []
+        for t in range(self.n_vocab):
+            text = self.token_bytes(t)
+            tokens.append(text if text else b"\xff" + (self.piece(t) or b"<special>"))
+        eog = [t for t in range(self.n_vocab) if self.is_eog(t)] or [self.eos]
+        tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+        return LLTokenizer.from_llamacpp(
+            tokens=tokens, vocab_ptr=self._vocab, tokenize_fptr=tokenize, eos_token=eog
+        )
 
     def is_control(self, token: int) -> bool:
         """Whether special-token parsing makes this token (control, user-defined, unknown)."""

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from jobs.chunks import ChunkWriter
+from jobs.constraints import Constraint
 from jobs.events import DONE
 from jobs.sampling import SamplingParams, TokenLogprob, logprobs_of, sample
 from jobs.textstream import StopMatcher, Utf8Decoder
@@ -46,6 +47,8 @@ class GenerationRequest:
     include_usage: bool = False
     tools: bool = False
     created: int = 0
+    #: An llguidance grammar the output must follow (response_format), or None.
+    grammar: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -61,6 +64,7 @@ class GenerationRequest:
             "include_usage": self.include_usage,
             "tools": self.tools,
             "created": self.created,
+            "grammar": self.grammar,
         }
 
     @classmethod
@@ -78,6 +82,7 @@ class GenerationRequest:
             include_usage=bool(d.get("include_usage", False)),
             tools=bool(d.get("tools", False)),
             created=int(d.get("created", 0)),
+            grammar=d.get("grammar"),
         )
 
 
@@ -87,6 +92,8 @@ class Generation:
     request: GenerationRequest
     piece: Callable[[int], bytes]
     is_eog: Callable[[int], bool]
+    #: Builds the matcher of a request's grammar (the engine's ``constraint``).
+    constrain: Callable[[str], Constraint] | None = None
     generated: list[int] = field(default_factory=list)
     n_prefilled: int = 0
     finish_reason: str | None = None
@@ -101,6 +108,11 @@ class Generation:
 
     def __post_init__(self) -> None:
         self.stopper = StopMatcher(self.request.stop)
+        self.constraint: Constraint | None = None
+        if self.request.grammar is not None:
+            if self.constrain is None:
+                raise ValueError("this engine cannot follow a grammar")
+            self.constraint = self.constrain(self.request.grammar)
         self.chunks = ChunkWriter(
             self.request.kind, self.job_id, self.request.model, self.request.created, self.piece
         )
@@ -131,9 +143,13 @@ class Generation:
         piece: Callable[[int], bytes],
         is_eog: Callable[[int], bool],
         state: dict[str, Any],
+        constrain: Callable[[str], Constraint] | None = None,
     ) -> Generation:
-        gen = cls(job_id, request, piece, is_eog)
+        gen = cls(job_id, request, piece, is_eog, constrain)
         gen.generated = [int(t) for t in state["generated"]]
+        if gen.constraint is not None:
+            # The matcher is rebuilt, not saved: the same tokens give the same state.
+            gen.constraint.feed(gen.generated)
         gen.n_prefilled = int(state["n_prefilled"])
         gen.decoder.pending = base64.b64decode(state["decoder"])
         gen.stopper.held = state["stop_held"]
@@ -176,6 +192,8 @@ class Generation:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def next_token(self, logits: np.ndarray) -> int:
+        if self.constraint is not None:
+            logits = self.constraint.masked(logits)
         return sample(logits, self.request.sampling, len(self.generated))
 
     def accept(self, token: int, logits: np.ndarray) -> list[str]:
@@ -188,10 +206,12 @@ class Generation:
             self.finish_reason = "stop"
             return self._count(out + self._release(self._tail()))
         self.generated.append(token)
+        if self.constraint is not None:
+            self.constraint.consume(token)
         if self.request.logprobs:
             self.held_logprobs.append(logprobs_of(logits, token, self.request.top_logprobs))
         text, stopped = self.stopper.feed(self.decoder.feed(self.piece(token)))
-        if stopped:
+        if stopped or (self.constraint is not None and self.constraint.complete):
             self.finish_reason = "stop"
             return self._count(out + self._release(text, final=True))
         if len(self.generated) >= self.request.max_tokens:

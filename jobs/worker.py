@@ -426,12 +426,13 @@ class Worker:
         request = GenerationRequest.from_json(json.loads(record["request"]))
         saved = record.get("checkpoint")
         resume = saved is not None or int(record.get("seq", "0")) > 0
+        e = self.engine
         if saved is not None:
             gen = Generation.restore(
-                job_id, request, self.engine.token_bytes, self.engine.is_eog, json.loads(saved)
+                job_id, request, e.token_bytes, e.is_eog, json.loads(saved), e.constraint
             )
         else:
-            gen = Generation(job_id, request, self.engine.token_bytes, self.engine.is_eog)
+            gen = Generation(job_id, request, e.token_bytes, e.is_eog, e.constraint)
         kv, in_place = self._kv_for(job_id, record, gen, running)
         seq = running.seq
         keep = None

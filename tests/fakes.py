@@ -33,6 +33,9 @@ class FakeVocab:
     def is_eog(self, token: int) -> bool:
         return token == EOS
 
+    def constraint(self, grammar: str) -> Any:
+        raise NotImplementedError("the fake engine follows no grammar (tests with llama.cpp do)")
+
     def is_control(self, token: int) -> bool:
         return token == EOS
 

@@ -11,6 +11,7 @@ from typing import Any
 from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
 
 from jobs.batches import BatchStore
+from jobs.constraints import GrammarError, grammar_for_json_object, grammar_for_json_schema
 from jobs.events import DONE
 from jobs.generation import GenerationRequest
 from jobs.identity import ModelIdentity
@@ -97,6 +98,21 @@ def _sampling(req: _Common) -> SamplingParams:
     )
 
 
+def _grammar(req: _Common) -> str | None:
+    """The grammar of the request's ``response_format`` (None: free text)."""
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    try:
+        if rf.type == "json_object":
+            return grammar_for_json_object()
+        if rf.json_schema is None:
+            raise GrammarError("json_schema requires a 'json_schema' object with a 'schema'")
+        return grammar_for_json_schema(rf.json_schema.json_schema)
+    except GrammarError as exc:
+        raise BadRequest(f"Invalid response_format: {exc}", param="response_format") from None
+
+
 def _chat_job(req: ChatRequest) -> GenerationRequest:
     runtime = rt()
     messages = [m.as_template_input() for m in req.messages]
@@ -120,6 +136,7 @@ def _chat_job(req: ChatRequest) -> GenerationRequest:
         include_usage=req.include_usage,
         tools=bool(req.tools),
         created=int(time.time()),
+        grammar=_grammar(req),
     )
 
 
@@ -149,6 +166,7 @@ def _completion_job(req: CompletionRequest) -> GenerationRequest:
         ignore_eos=req.ignore_eos,
         include_usage=req.include_usage,
         created=int(time.time()),
+        grammar=_grammar(req),
     )
 
 

@@ -8,7 +8,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from web.errors import BadRequest
 
-__all__ = ["ChatRequest", "CompletionRequest", "DetokenizeRequest", "TokenizeRequest", "parse"]
+__all__ = [
+    "UNSUPPORTED",
+    "ChatRequest",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "ResponseFormat",
+    "TokenizeRequest",
+    "parse",
+]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -19,6 +27,43 @@ MAX_STOP_LEN = 256
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON that
+    validates against a schema; enforced token by token by a grammar."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+#: OpenAI request fields parkq does not implement, with the value that means
+#: "not used": a request that sets one otherwise is refused, never silently
+#: served without it (unknown fields are ignored: clients send extras).
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "logit_bias": ({}, None),
+    "tool_choice": ("auto", None),
+    "parallel_tool_calls": (True, None),
+    "best_of": (1, None),
+    "suffix": ("", None),
+    "functions": (None, []),
+    "function_call": (None, "auto"),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+}
 
 
 class _Common(BaseModel):
@@ -45,6 +90,7 @@ class _Common(BaseModel):
 
     priority: str | int = "interactive"
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod
@@ -151,6 +197,12 @@ def parse(model: type[M], body: Any) -> M:
     """Validate ``body``; raise :class:`BadRequest` naming the first bad field."""
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
+    if issubclass(model, _Common):
+        for name, unused in UNSUPPORTED.items():
+            if name in body and body[name] not in unused:
+                raise BadRequest(
+                    f"'{name}' is not supported by this server; leave it out.", param=name
+                )
     try:
         return model.model_validate(body)
     except ValidationError as exc:

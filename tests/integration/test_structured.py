@@ -1,0 +1,249 @@
+"""Structured outputs through the real pipeline (tiny model, real Redis, real
+llama.cpp and llguidance): what a schema asks for is what comes out, also
+across parks; a schema the engine cannot follow is a 400; fields parkq does
+not implement are refused, never dropped."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+import requests
+
+from tests.integration.conftest import Server
+from tests.integration.helpers import (
+    chunks,
+    job,
+    read_events,
+    submit_stream,
+    wait_until,
+)
+from tests.integration.test_workers import Cluster, running_cluster
+
+#: A schema whose answer is long (40 strings of 12 characters: over 500
+#: tokens of the tiny model) so that a job can be parked several times inside it.
+LONG_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "notes": {
+            "type": "array",
+            "items": {"type": "string", "minLength": 12, "maxLength": 12},
+            "minItems": 40,
+            "maxItems": 40,
+        },
+        "ok": {"type": "boolean"},
+        "size": {"type": "integer", "enum": [1, 2, 3]},
+    },
+    "required": ["notes", "ok", "size"],
+    "additionalProperties": False,
+}
+
+CITY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "population", "capital"],
+    "additionalProperties": False,
+}
+
+
+def _format(schema: dict[str, Any], name: str = "answer") -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": name, "strict": True, "schema": schema}}
+
+
+def _content(events: list[tuple[int, str]]) -> str:
+    return "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in chunks(events) if c.get("choices")
+    )
+
+
+def _finish(events: list[tuple[int, str]]) -> str | None:
+    reasons = [c["choices"][0].get("finish_reason") for c in chunks(events) if c.get("choices")]
+    return next((r for r in reasons if r), None)
+
+
+@pytest.fixture
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_a_json_schema_answer_parses_and_validates(client: openai.OpenAI) -> None:
+    for temperature in (0.0, 0.9):
+        out = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Describe the city of Paris."}],
+            response_format=_format(CITY_SCHEMA, "city"),  # type: ignore[arg-type]
+            temperature=temperature,
+            seed=3,
+            max_tokens=400,
+        )
+        choice = out.choices[0]
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content or ""), CITY_SCHEMA)
+
+
+def test_json_object_gives_one_json_object(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Answer in JSON."}],
+        response_format={"type": "json_object"},
+        max_tokens=2000,
+        temperature=0,
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(json.loads(choice.message.content or ""), dict)
+
+
+def test_completions_and_streams_follow_the_schema_too(server: Server) -> None:
+    body = {"prompt": "The city:", "max_tokens": 400, "temperature": 0,
+            "response_format": _format(CITY_SCHEMA)}  # fmt: skip
+    plain = requests.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert plain.status_code == 200, plain.text
+    text = plain.json()["choices"][0]["text"]
+    jsonschema.validate(json.loads(text), CITY_SCHEMA)
+    events = read_events(submit_stream(server.base_url, body))
+    streamed = "".join(c["choices"][0]["text"] for c in chunks(events) if c.get("choices"))
+    assert streamed == text
+
+
+def test_max_tokens_inside_the_structure_ends_with_length(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Notes, please."}],
+        response_format=_format(LONG_SCHEMA),  # type: ignore[arg-type]
+        max_tokens=5,
+    )
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == 5
+    content = out.choices[0].message.content or ""
+    assert content and '{"notes":["'.startswith(content)  # the schema's forced start, cut
+
+
+@pytest.mark.parametrize(
+    ("response_format", "says"),
+    [
+        (_format({"type": "nonsense"}), "Invalid type"),
+        (_format({"type": "integer", "minimum": 5, "maximum": 1}), "Unsatisfiable"),
+        (_format({"type": "string", "pattern": "(("}), "regex"),
+        (_format({"type": "object", "description": "x" * 70_000}), "at most"),
+        ({"type": "json_schema"}, "json_schema"),
+        ({"type": "xml"}, "response_format"),
+    ],
+)
+def test_a_schema_the_engine_cannot_follow_is_a_400(
+    server: Server, response_format: dict[str, Any], says: str
+) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "response_format": response_format}
+    resp = requests.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"].startswith("response_format")
+    assert says in error["message"]
+
+
+REFUSED = [("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("logit_bias", {"5": 10}),
+           ("tool_choice", "required"), ("best_of", 3), ("suffix", "end")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("field", "value"), REFUSED)
+def test_an_openai_field_parkq_does_not_implement_is_refused(
+    server: Server, field: str, value: Any
+) -> None:
+    body = {"prompt": "hi", "max_tokens": 2, field: value}
+    resp = requests.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == field
+    # Its "not used" value, and fields nobody knows, are fine.
+    unused = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
+              "tool_choice": "auto", "best_of": 1, "suffix": ""}[field]  # fmt: skip
+    ok = {"prompt": "hi", "max_tokens": 2, field: unused, "some_extension": True}
+    assert requests.post(f"{server.base_url}/v1/completions", json=ok, timeout=30).ok
+
+
+def test_the_batch_api_follows_each_lines_schema(client: openai.OpenAI, tmp_path: Path) -> None:
+    lines = [
+        {"custom_id": f"city-{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": f"City number {i}"}],
+                  "max_tokens": 400, "temperature": 0.7, "seed": i,
+                  "response_format": _format(CITY_SCHEMA, "city")}}
+        for i in range(3)
+    ]  # fmt: skip
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    with path.open("rb") as f:
+        uploaded = client.files.create(file=f, purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+        assert time.monotonic() < deadline, batch.status
+        time.sleep(0.2)
+    assert batch.status == "completed" and batch.output_file_id
+    results = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(r["custom_id"] for r in results) == ["city-0", "city-1", "city-2"]
+    for r in results:
+        message = r["response"]["body"]["choices"][0]["message"]["content"]
+        jsonschema.validate(json.loads(message), CITY_SCHEMA)
+
+
+# -- across parks --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow(redis_server, tiny_model: Path, tmp_path_factory) -> Iterator[Cluster]:
+    """One worker whose decode steps take at least 2 ms: a long structured
+    answer runs long enough to be parked several times on any machine."""
+    root = tmp_path_factory.mktemp("structured")
+    with running_cluster(redis_server.url, tiny_model, root, "structured", ()) as c:
+        c.start_worker("w", env={"PARKQ_TEST_DECODE_DELAY_SECONDS": "0.002"})
+        wait_until(lambda: c.workers_alive() == 1, timeout=60)
+        yield c
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_schema_constrained_job_parked_three_times_is_identical_and_valid(
+    slow: Cluster, temperature: float
+) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Write the notes."}],
+        "max_tokens": 3000, "temperature": temperature, "seed": 11, "logprobs": True,
+        "priority": "batch", "response_format": _format(LONG_SCHEMA),
+    }  # fmt: skip
+    reference_resp = submit_stream(slow.base_url, body, "chat/completions")
+    reference = read_events(reference_resp)
+    assert job(slow.base_url, reference_resp.headers["X-Job-Id"])["preemptions"] == 0
+
+    resp = submit_stream(slow.base_url, body, "chat/completions")
+    job_id = resp.headers["X-Job-Id"]
+    short = {"prompt": "Quick question", "max_tokens": 4, "priority": "interactive"}
+    for _ in range(3):
+        start = job(slow.base_url, job_id)["tokens"]
+        wait_until(
+            lambda start=start: (
+                job(slow.base_url, job_id)["tokens"] > start + 20
+                and job(slow.base_url, job_id)["state"] == "running"
+            )
+        )
+        assert read_events(submit_stream(slow.base_url, short))[-1][1] == "[DONE]"
+    events = read_events(resp)
+    assert job(slow.base_url, job_id)["preemptions"] == 3
+    text = _content(events)
+    assert text == _content(reference)
+    assert [c["choices"][0].get("logprobs") for c in chunks(events) if c.get("choices")] == [
+        c["choices"][0].get("logprobs") for c in chunks(reference) if c.get("choices")
+    ]
+    assert _finish(events) == "stop"
+    jsonschema.validate(json.loads(text), LONG_SCHEMA)
