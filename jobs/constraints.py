@@ -98,8 +98,5 @@ class Constraint:
     def masked(self, logits: np.ndarray) -> np.ndarray:
         """A copy of ``logits`` with every token the grammar refuses at -inf."""
         self._matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
-        allowed = np.unpackbits(self._mask.view(np.uint8), bitorder="little")
-        out = np.full_like(logits, -np.inf)
-        keep = allowed[: self._n_vocab].astype(bool)
-        out[keep] = logits[keep]
-        return out
+        bits = np.unpackbits(self._mask.view(np.uint8), count=self._n_vocab, bitorder="little")
+        return np.where(bits.view(bool), logits, np.float32(-np.inf))
