@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
@@ -466,11 +467,14 @@ def bench(model: str | None, quick: bool, duration: float | None, rate: float | 
               help="Documents in flight at once.")  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
 @click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--schema", "schema_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="A JSON schema file: every answer is JSON that follows it, and each "
+              "document's result is that object.")  # fmt: skip
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def batch(paths: tuple[Path, ...], prompt: str | None, task: str | None, out: Path,
           url: str | None, api_key: str | None, model: str | None, max_tokens: int,
           overlap: int, parallel: int, seed: int, temperature: float,
-          no_progress: bool) -> None:  # fmt: skip
+          schema_file: Path | None, no_progress: bool) -> None:  # fmt: skip
     """Process text and Markdown documents (files or folders) at batch priority.
 
     Long documents are split into overlapping token windows; the partial results
@@ -481,12 +485,22 @@ def batch(paths: tuple[Path, ...], prompt: str | None, task: str | None, out: Pa
 
     if prompt and task:
         raise click.UsageError("give --prompt or --task, not both")
+    schema = None
+    if schema_file is not None:
+        from jobs.constraints import grammar_for_json_schema
+
+        try:
+            schema = json.loads(schema_file.read_text(encoding="utf-8"))
+            grammar_for_json_schema(schema)  # refused here, not once per document
+        except (OSError, ValueError) as exc:  # GrammarError is a ValueError
+            raise click.ClickException(f"--schema {schema_file}: {exc}") from None
     spec = Task(
         instruction=prompt or SUMMARIZE,
         max_tokens=max_tokens,
         overlap=overlap,
         temperature=temperature,
         seed=seed,
+        schema=schema,
     )
     try:
         docs = collect(paths)

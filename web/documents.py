@@ -54,12 +54,25 @@ class Task:
     overlap: int = 64
     temperature: float = 0.0
     seed: int = 0
+    #: A JSON schema every answer follows (``parkq batch --schema``), or None: text.
+    schema: dict[str, Any] | None = None
 
     def fingerprint(self) -> str:
-        raw = json.dumps(
-            [self.instruction, self.max_tokens, self.overlap, self.temperature, self.seed]
-        )
-        return hashlib.sha256(raw.encode()).hexdigest()[:16]
+        fields = [self.instruction, self.max_tokens, self.overlap, self.temperature, self.seed]
+        if self.schema is not None:
+            fields.append(self.schema)
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+    def parse(self, answer: str, finish_reason: str | None) -> Any:
+        """A document's final answer: the text, or (with a schema) the JSON value."""
+        if self.schema is None:
+            return answer
+        if finish_reason == "length":
+            raise DocumentError(
+                f"the answer reached --max-tokens ({self.max_tokens}) before its JSON was "
+                "complete; give a larger --max-tokens"
+            )
+        return json.loads(answer)
 
     def map_prompt(self, name: str, part: int, parts: int, text: str) -> str:
         if parts == 1:
@@ -131,17 +144,24 @@ class Client:
         assert self._context is not None
         return self._context
 
-    def chat(self, content: str, task: Task) -> tuple[str, dict[str, int]]:
-        body = {
+    def chat(self, content: str, task: Task) -> tuple[str, dict[str, Any]]:
+        """One answer: its text and usage (with the choice's ``finish_reason``)."""
+        body: dict[str, Any] = {
             "messages": [{"role": "user", "content": content}],
             "max_tokens": task.max_tokens,
             "temperature": task.temperature,
             "seed": task.seed,
             "priority": "batch",
         }
+        if task.schema is not None:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "result", "strict": True, "schema": task.schema},
+            }
         got = self.post("/v1/chat/completions", body)
-        text = got["choices"][0]["message"]["content"] or ""
-        return text, got.get("usage") or {}
+        choice = got["choices"][0]
+        text = choice["message"]["content"] or ""
+        return text, {**(got.get("usage") or {}), "finish_reason": choice.get("finish_reason")}
 
     def counter(self, name: str) -> float | None:
         """A counter from /metrics (None when it cannot be read)."""
@@ -183,7 +203,7 @@ class Progress:
     tokens: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, usage: dict[str, int]) -> None:
+    def add(self, usage: dict[str, Any]) -> None:
         with self.lock:
             self.tokens += int(usage.get("completion_tokens", 0))
 
@@ -194,8 +214,11 @@ def process(
     """One document's result: map over its windows, then reduce to one answer."""
     counts = {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0}
 
+    ended: list[str | None] = []  # each answer's finish_reason
+
     def call(content: str) -> str:
         answer, usage = client.chat(content, task)
+        ended.append(usage.get("finish_reason"))
         counts["calls"] += 1
         counts["prompt_tokens"] += int(usage.get("prompt_tokens", 0))
         counts["completion_tokens"] += int(usage.get("completion_tokens", 0))
@@ -224,7 +247,7 @@ def process(
             call(task.reduce_prompt(name, group)) for group in _groups(client, name, task, partials)
         ]
     return {
-        "result": partials[0],
+        "result": task.parse(partials[0], ended[-1]),
         "document_tokens": len(ids),
         "chunks": len(parts),
         "reduce_levels": levels,
@@ -244,7 +267,13 @@ def _groups(client: Client, name: str, task: Task, partials: list[str]) -> list[
         else:
             groups[-1] = trial
     if len(groups) > 1 and len(groups[-1]) == 1:
-        groups[-2].append(groups.pop()[0])
+        # A lone last result joins the group before; if that one is full, it
+        # hands its own last result over instead.
+        last, previous = groups.pop()[0], groups[-1]
+        if len(previous) >= 3:
+            groups.append([previous.pop(), last])
+        else:
+            previous.append(last)
     for group in groups:
         if client.chat_tokens(task.reduce_prompt(name, group)) > limit:
             raise DocumentError("two partial results do not fit one request; lower --max-tokens")

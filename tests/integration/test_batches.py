@@ -275,3 +275,40 @@ def test_parkq_batch_starts_its_own_parkq_without_url(
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert len(out.read_text().splitlines()) == 2
+
+
+NOTE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "topic": {"type": "string", "maxLength": 12},
+        "important": {"type": "boolean"},
+        "score": {"type": "integer", "minimum": 1, "maximum": 5},
+    },
+    "required": ["topic", "important", "score"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.timeout(600)
+def test_parkq_batch_with_a_schema_gives_each_document_a_valid_object(
+    small: str, folder: Path, tmp_path: Path
+) -> None:
+    import jsonschema
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(NOTE_SCHEMA))
+    out = tmp_path / "results.jsonl"
+    run = _parkq_batch(folder, "--url", small, "--out", out, "--schema", schema,
+                       "--max-tokens", "80", "--temperature", "0.7")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6
+    for row in rows:
+        jsonschema.validate(row["result"], NOTE_SCHEMA)
+    assert any(row["reduce_levels"] >= 1 for row in rows)  # the long one, reduced as JSON too
+
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"type": "object", "properties": {"a": {"type": "nonsense"}}}')
+    bad = _parkq_batch(folder, "--url", small, "--out", out, "--schema", broken)
+    assert bad.returncode != 0
+    assert "Invalid type" in bad.stderr and "Traceback" not in bad.stderr
