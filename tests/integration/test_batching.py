@@ -242,7 +242,16 @@ def test_a_full_engine_parks_its_lowest_sequence_for_a_better_job(
     bodies = _bodies()[:2]
     resps = [submit_stream(c.base_url, body) for body in bodies]
     ids = [r.headers["X-Job-Id"] for r in resps]
-    wait_until(lambda: all(job(c.base_url, j)["state"] == "running" for j in ids), timeout=60)
+    # Both past their minimum run time (100 steps of at least 1 ms; 0.05 s in the
+    # tests): the victim is then the lower job. A job still inside it cannot be
+    # chosen, and the higher one parked instead would rightly take its sequence
+    # back from the lower one later: a second preemption, on a slow machine.
+    wait_until(
+        lambda: all(
+            (s := job(c.base_url, j))["state"] == "running" and s["tokens"] > 100 for j in ids
+        ),
+        timeout=60,
+    )
     short = read_events(
         submit_stream(c.base_url, {"prompt": "hi", "max_tokens": 8, "priority": "interactive"})
     )
