@@ -207,6 +207,15 @@ def test_a_job_bound_to_a_busy_checkpoint_holder_causes_no_ping_pong(
             requests.delete(f"{c.base_url}/v1/jobs/{job_id}", timeout=10)
 
 
+def _upload(c: Cluster, lines: list[str]) -> dict:
+    return requests.post(
+        f"{c.base_url}/v1/files",
+        files={"file": ("in.jsonl", "\n".join(lines).encode())},
+        data={"purpose": "batch"},
+        timeout=30,
+    ).json()
+
+
 def _line(custom_id: str, prompt: str) -> str:
     body = {"prompt": prompt, "max_tokens": 150, "temperature": 0, "ignore_eos": True}
     return json.dumps(
@@ -225,12 +234,7 @@ def test_a_batchs_results_outlive_the_result_ttl_and_its_keys_are_bounded(
         c.start_worker("w", env=env)
         wait_until(lambda: c.workers_alive() == 1, timeout=60)
         lines = [_line(f"doc-{i}", f"Document {i} says") for i in range(3)]
-        uploaded = requests.post(
-            f"{c.base_url}/v1/files",
-            files={"file": ("in.jsonl", "\n".join(lines).encode())},
-            data={"purpose": "batch"},
-            timeout=30,
-        ).json()
+        uploaded = _upload(c, lines)
         batch = requests.post(
             f"{c.base_url}/v1/batches",
             json={"input_file_id": uploaded["id"], "endpoint": "/v1/completions",
@@ -297,12 +301,7 @@ def test_a_batch_is_answered_while_validating_and_cancelled_then_runs_no_line(
     prefix = f"validating{time.monotonic_ns()}"
     with running_cluster(redis_server.url, tiny_model, tmp_path, prefix, ("w",), web_env) as c:
         lines = [_line(f"doc-{i}", f"Document {i} says") for i in range(3)]
-        uploaded = requests.post(
-            f"{c.base_url}/v1/files",
-            files={"file": ("in.jsonl", "\n".join(lines).encode())},
-            data={"purpose": "batch"},
-            timeout=30,
-        ).json()
+        uploaded = _upload(c, lines)
         body = {"input_file_id": uploaded["id"], "endpoint": "/v1/completions",
                 "completion_window": "24h"}  # fmt: skip
         held = requests.post(f"{c.base_url}/v1/batches", json=body, timeout=30)

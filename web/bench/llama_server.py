@@ -29,7 +29,13 @@ import requests
 
 from scheduler.settings import cache_root
 
-__all__ = ["build_llama_server", "llama_server_path", "running_llama_server", "server_args"]
+__all__ = [
+    "build_llama_server",
+    "llama_server_path",
+    "running_llama_server",
+    "server_args",
+    "serving",
+]
 
 
 def llama_server_path(cache_dir: str | None = None) -> Path:
@@ -60,6 +66,34 @@ def server_args(
 
 
 @contextmanager
+def serving(argv: list[str], base: str, ready_path: str, what: str) -> Iterator[str]:
+    """Run a peer server (``argv``) until the block ends, once ``base + ready_path``
+    answers 200; yields ``base``. Its exit or 300 s of silence is a RuntimeError."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with status {proc.returncode}")
+            try:
+                if requests.get(base + ready_path, timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start within 300 s")
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
 def running_llama_server(
     binary: str | Path,
     *,
@@ -75,29 +109,8 @@ def running_llama_server(
     port = free_port()
     argv = server_args(binary, model=model, port=port, seqs=seqs, n_ctx=n_ctx,
                        threads=threads, extra_buffers=extra_buffers)  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with status {proc.returncode}")
-            try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("llama-server did not start within 300 s")
-            time.sleep(0.2)
+    with serving(argv, f"http://127.0.0.1:{port}", "/health", "llama-server") as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def build_llama_server(cache_dir: str | None = None, jobs: int | None = None) -> Path:

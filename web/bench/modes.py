@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +15,7 @@ import requests
 from jobs.kernels import peer_server_command, worker_kernels
 from jobs.store import Store
 from scheduler.settings import Settings
+from web.bench.llama_server import serving
 from web.bench.workload import SHORT_BODY, Observed, Request, Workload, play, stream
 from web.launcher import Stack, free_port
 
@@ -108,31 +108,8 @@ def peer_server(settings: Settings) -> Iterator[str]:
     argv = [*peer_server_command(extra.extra_buffers), "--model", settings.model or "",
             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(settings.n_ctx),
             "--n_threads", threads, "--n_threads_batch", threads]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    "llama_cpp.server exited; is llama-cpp-python[server] installed?"
-                )
-            try:
-                if requests.get(base + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("llama_cpp.server did not start")
-            time.sleep(0.2)
+    with serving(argv, f"http://127.0.0.1:{port}", "/v1/models", "llama_cpp.server") as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def run_peer(
