@@ -29,6 +29,7 @@ __all__ = [
     "GrammarError",
     "grammar_for_json_object",
     "grammar_for_json_schema",
+    "grammar_for_tool_calls",
 ]
 
 #: The largest JSON schema a request may carry (as JSON text).
@@ -61,6 +62,32 @@ def grammar_for_json_object() -> str:
     return _valid(
         llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
     )
+
+
+def grammar_for_tool_calls(functions: dict[str, Any], several: bool) -> str:
+    """An llguidance grammar for Hermes-style tool calls only
+    (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, see
+    jobs/toolcalls.py): one call, or with ``several`` one or more separated by
+    newlines, each naming one of ``functions`` (name -> JSON schema of its
+    arguments) with arguments that follow that function's schema."""
+    if not functions:
+        raise GrammarError("no function to call")
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": parameters or {"type": "object"}},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name, parameters in functions.items()
+    ]
+    schema = {"x-guidance": _JSON_OPTIONS, "anyOf": calls}
+    size = len(json.dumps(schema))
+    if size > MAX_SCHEMA_BYTES:
+        raise GrammarError(f"the tools are {size} bytes; at most {MAX_SCHEMA_BYTES} are allowed")
+    start = 'start: call ("\\n" call)*' if several else "start: call"
+    lark = f'{start}\ncall: "<tool_call>" body "</tool_call>"\nbody: %json {json.dumps(schema)}\n'
+    return _valid(llguidance.LLMatcher.grammar_from_lark(lark))
 
 
 def _valid(grammar: str) -> str:

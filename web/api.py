@@ -11,7 +11,12 @@ from typing import Any
 from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
 
 from jobs.batches import BatchStore
-from jobs.constraints import GrammarError, grammar_for_json_object, grammar_for_json_schema
+from jobs.constraints import (
+    GrammarError,
+    grammar_for_json_object,
+    grammar_for_json_schema,
+    grammar_for_tool_calls,
+)
 from jobs.events import DONE
 from jobs.generation import GenerationRequest
 from jobs.identity import ModelIdentity
@@ -113,11 +118,60 @@ def _grammar(req: _Common) -> str | None:
         raise BadRequest(f"Invalid response_format: {exc}", param="response_format") from None
 
 
+def _functions(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each tool's function name and the JSON schema of its arguments."""
+    out: dict[str, Any] = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if tool.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise BadRequest(
+                "each tool must be {'type': 'function', 'function': {'name': ...}}",
+                param=f"tools.{i}",
+            )
+        parameters = function.get("parameters") if isinstance(function, dict) else None
+        out[name] = parameters if isinstance(parameters, dict) else {"type": "object"}
+    return out
+
+
+def _tool_grammar(req: ChatRequest) -> str | None:
+    """The grammar that ``tool_choice`` asks for: None unless a call is required."""
+    choice = req.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        if req.parallel_tool_calls is False:
+            raise BadRequest(
+                "parallel_tool_calls=false is supported with tool_choice 'required' or a "
+                "named function",
+                param="parallel_tool_calls",
+            )
+        return None
+    if not req.tools:
+        raise BadRequest("tool_choice needs tools", param="tool_choice")
+    functions = _functions(req.tools)
+    if not isinstance(choice, str):
+        name = choice.function.name
+        if name not in functions:
+            raise BadRequest(
+                f"tool_choice names '{name}', which is not in tools", param="tool_choice"
+            )
+        functions = {name: functions[name]}
+    if req.response_format is not None and req.response_format.type != "text":
+        raise BadRequest(
+            "give response_format or a required tool call, not both", param="tool_choice"
+        )
+    try:
+        return grammar_for_tool_calls(functions, several=req.parallel_tool_calls is not False)
+    except GrammarError as exc:
+        raise BadRequest(f"Invalid tools: {exc}", param="tools") from None
+
+
 def _chat_job(req: ChatRequest) -> GenerationRequest:
     runtime = rt()
     messages = [m.as_template_input() for m in req.messages]
+    tools = None if req.tool_choice == "none" else req.tools
+    grammar = _tool_grammar(req) or _grammar(req)
     try:
-        ids, template_stops = chat_ids(runtime.vocab, messages, req.tools)
+        ids, template_stops = chat_ids(runtime.vocab, messages, tools)
     except ValueError as exc:
         raise BadRequest(str(exc), param="messages") from None
     top = req.top_logprobs or 0
@@ -134,9 +188,9 @@ def _chat_job(req: ChatRequest) -> GenerationRequest:
         top_logprobs=top,
         ignore_eos=req.ignore_eos,
         include_usage=req.include_usage,
-        tools=bool(req.tools),
+        tools=bool(tools),
         created=int(time.time()),
-        grammar=_grammar(req),
+        grammar=grammar,
     )
 
 

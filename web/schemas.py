@@ -126,12 +126,31 @@ class Message(BaseModel):
         return d
 
 
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: Annotated[str, Field(min_length=1)]
+
+
+class NamedToolChoice(BaseModel):
+    """``{"type": "function", "function": {"name": ...}}``: call exactly that one."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(_Common):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[dict[str, Any]] | None = None
+    #: ``auto`` (the default): the model may call tools; ``none``: it sees none and
+    #: calls none; ``required``: it calls one or more; named: it calls that one.
+    #: Enforced by a grammar (jobs/constraints.py), not by the prompt.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    #: With ``required`` or a named choice: False allows exactly one call.
+    parallel_tool_calls: bool | None = None
 
     @property
     def token_limit(self) -> int | None:
@@ -199,6 +218,8 @@ def parse(model: type[M], body: Any) -> M:
         raise BadRequest("The request body must be a JSON object.")
     if issubclass(model, _Common):
         for name, unused in UNSUPPORTED.items():
+            if name in model.model_fields:
+                continue  # implemented by this route
             if name in body and body[name] not in unused:
                 raise BadRequest(
                     f"'{name}' is not supported by this server; leave it out.", param=name

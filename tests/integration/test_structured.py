@@ -247,3 +247,162 @@ def test_a_schema_constrained_job_parked_three_times_is_identical_and_valid(
     ]
     assert _finish(events) == "stop"
     jsonschema.validate(json.loads(text), LONG_SCHEMA)
+
+
+# -- tool calls ----------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+#: A function whose arguments are long: a call that can be parked inside.
+NOTES = {
+    "type": "function",
+    "function": {
+        "name": "save_notes",
+        "parameters": {
+            "type": "object",
+            "properties": {"notes": LONG_SCHEMA["properties"]["notes"]},
+            "required": ["notes"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    parameters: dict[str, Any] = tool["function"]["parameters"]
+    return parameters
+
+
+def test_tool_choice_required_makes_a_valid_call(client: openai.OpenAI) -> None:
+    for temperature in (0.0, 0.9):
+        out = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            tools=[WEATHER, TIME],  # type: ignore[list-item]
+            tool_choice="required",
+            temperature=temperature,
+            seed=5,
+            max_tokens=400,
+        )
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        calls = choice.message.tool_calls or []
+        assert calls
+        tools = {"get_weather": WEATHER, "get_time": TIME}
+        for call in calls:
+            fn = call.function  # type: ignore[union-attr]
+            jsonschema.validate(json.loads(fn.arguments), _parameters(tools[fn.name]))
+
+
+def test_a_named_tool_choice_calls_that_function_once(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Which time is it?"}],
+        tools=[WEATHER, TIME],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False,
+        max_tokens=400,
+    )
+    calls = out.choices[0].message.tool_calls or []
+    assert len(calls) == 1 and calls[0].function.name == "get_time"  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(calls[0].function.arguments), _parameters(TIME))  # type: ignore[union-attr]
+    assert out.choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_answers_in_text(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hello"}],
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="none",
+        max_tokens=20,
+        temperature=0,
+    )
+    assert not out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required", "parallel_tool_calls": False, "tools": []}, "tool_choice"),
+        ({"tool_choice": "auto", "parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "nonsense"}}}]}, "tools"),
+    ],
+)  # fmt: skip
+def test_a_tool_choice_that_cannot_be_followed_is_a_400(
+    server: Server, extra: dict[str, Any], param: str
+) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], **extra}
+    resp = requests.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
+@pytest.mark.timeout(300)
+def test_a_required_tool_call_parked_twice_is_identical(slow: Cluster) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Save the notes."}],
+        "tools": [NOTES], "tool_choice": {"type": "function", "function": {"name": "save_notes"}},
+        "max_tokens": 3000, "temperature": 0.8, "seed": 21, "priority": "batch",
+    }  # fmt: skip
+    reference_resp = submit_stream(slow.base_url, body, "chat/completions")
+    reference = read_events(reference_resp)
+    assert job(slow.base_url, reference_resp.headers["X-Job-Id"])["preemptions"] == 0
+
+    resp = submit_stream(slow.base_url, body, "chat/completions")
+    job_id = resp.headers["X-Job-Id"]
+    short = {"prompt": "Quick question", "max_tokens": 4, "priority": "interactive"}
+    for _ in range(2):
+        start = job(slow.base_url, job_id)["tokens"]
+        wait_until(
+            lambda start=start: (
+                job(slow.base_url, job_id)["tokens"] > start + 20
+                and job(slow.base_url, job_id)["state"] == "running"
+            )
+        )
+        assert read_events(submit_stream(slow.base_url, short))[-1][1] == "[DONE]"
+    events = read_events(resp)
+    assert job(slow.base_url, job_id)["preemptions"] == 2
+
+    def calls(evs: list[tuple[int, str]]) -> list[dict[str, Any]]:
+        return [  # the call ids derive from the job ids: compare the rest
+            {**call, "id": None}
+            for c in chunks(evs)
+            if c.get("choices")
+            for call in c["choices"][0]["delta"].get("tool_calls") or []
+        ]
+
+    got = calls(events)
+    assert got == calls(reference) and len(got) == 1
+    assert got[0]["function"]["name"] == "save_notes"
+    jsonschema.validate(json.loads(got[0]["function"]["arguments"]), _parameters(NOTES))
+    assert _finish(events) == "tool_calls"
