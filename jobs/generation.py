@@ -192,6 +192,7 @@ class Generation:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def next_token(self, logits: np.ndarray) -> int:
+        logits = self.request.sampling.adjusted(logits, self.generated)
         if self.constraint is not None:
             logits = self.constraint.masked(logits)
         return sample(logits, self.request.sampling, len(self.generated))

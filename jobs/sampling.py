@@ -7,7 +7,7 @@ step ``n`` and resumed anywhere draws exactly what it would have drawn.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -21,6 +21,26 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int = 0
+    #: OpenAI's penalties: subtracted from a token's logit once if it was
+    #: generated at all (presence), and once per time it was (frequency).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    #: Token id (as text, as JSON has it) -> bias added to its logit.
+    logit_bias: dict[str, float] = field(default_factory=dict)
+
+    def adjusted(self, logits: np.ndarray, generated: list[int]) -> np.ndarray:
+        """``logits`` after the bias and the penalties (a copy; the input if none
+        applies). They depend only on the tokens generated so far, so a resumed
+        generation adjusts exactly as the uninterrupted one did."""
+        if not (self.logit_bias or self.presence_penalty or self.frequency_penalty):
+            return logits
+        out = logits.astype(np.float32, copy=True)
+        for token, bias in self.logit_bias.items():
+            out[int(token)] += bias
+        if generated and (self.presence_penalty or self.frequency_penalty):
+            tokens, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+            out[tokens] -= self.presence_penalty + self.frequency_penalty * counts
+        return out
 
     @property
     def greedy(self) -> bool:

@@ -100,7 +100,20 @@ def _sampling(req: _Common) -> SamplingParams:
         top_k=req.top_k,
         min_p=req.min_p,
         seed=seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=_logit_bias(req.logit_bias),
     )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[str, float]:
+    n_vocab = rt().vocab.n_vocab
+    for token in bias or {}:
+        if int(token) >= n_vocab:
+            raise BadRequest(
+                f"logit_bias names token {token}; the vocabulary has {n_vocab}", param="logit_bias"
+            )
+    return {str(int(k)): float(v) for k, v in (bias or {}).items() if v}
 
 
 def _grammar(req: _Common) -> str | None:

@@ -50,9 +50,6 @@ class ResponseFormat(BaseModel):
 #: "not used": a request that sets one otherwise is refused, never silently
 #: served without it (unknown fields are ignored: clients send extras).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0, None),
-    "frequency_penalty": (0, 0.0, None),
-    "logit_bias": ({}, None),
     "tool_choice": ("auto", None),
     "parallel_tool_calls": (True, None),
     "best_of": (1, None),
@@ -91,6 +88,19 @@ class _Common(BaseModel):
     priority: str | int = "interactive"
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    #: Token id (as a string) -> bias from -100 to 100 added to its logit.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v and not all(k.isdigit() and len(k) <= 9 for k in v):
+            raise ValueError("keys must be token ids (non-negative integers as strings)")
+        if v and len(v) > 300:
+            raise ValueError("at most 300 token biases are allowed")
+        return v
 
     @field_validator("stop")
     @classmethod

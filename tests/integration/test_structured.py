@@ -19,7 +19,9 @@ import requests
 from tests.integration.conftest import Server
 from tests.integration.helpers import (
     chunks,
+    completion_text,
     job,
+    logprob_tokens,
     read_events,
     submit_stream,
     wait_until,
@@ -152,8 +154,10 @@ def test_a_schema_the_engine_cannot_follow_is_a_400(
     assert says in error["message"]
 
 
-REFUSED = [("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("logit_bias", {"5": 10}),
-           ("tool_choice", "required"), ("best_of", 3), ("suffix", "end")]  # fmt: skip
+REFUSED = [("tool_choice", "required"), ("best_of", 3), ("suffix", "end"),
+           ("modalities", ["text", "audio"]), ("prediction", {"type": "content"})]  # fmt: skip
+UNUSED = {"tool_choice": "auto", "best_of": 1, "suffix": "", "modalities": ["text"],
+          "prediction": None}  # fmt: skip
 
 
 @pytest.mark.parametrize(("field", "value"), REFUSED)
@@ -165,10 +169,29 @@ def test_an_openai_field_parkq_does_not_implement_is_refused(
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == field
     # Its "not used" value, and fields nobody knows, are fine.
-    unused = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
-              "tool_choice": "auto", "best_of": 1, "suffix": ""}[field]  # fmt: skip
-    ok = {"prompt": "hi", "max_tokens": 2, field: unused, "some_extension": True}
+    ok = {"prompt": "hi", "max_tokens": 2, field: UNUSED[field], "some_extension": True}
     assert requests.post(f"{server.base_url}/v1/completions", json=ok, timeout=30).ok
+
+
+def test_logit_bias_and_penalties_shape_the_answer(server: Server) -> None:
+    url = f"{server.base_url}/v1/completions"
+    tokens = requests.post(f"{server.base_url}/v1/tokenize", json={"text": "park"}, timeout=30)
+    token = tokens.json()["tokens"][-1]
+    body = {"prompt": "The", "max_tokens": 12, "temperature": 0}
+    forced = requests.post(url, json={**body, "logit_bias": {str(token): 100}}, timeout=30)
+    piece = requests.post(f"{server.base_url}/v1/detokenize", json={"tokens": [token]},
+                          timeout=30).json()["text"]  # fmt: skip
+    assert forced.json()["choices"][0]["text"] == piece * 12
+    # A frequency penalty makes greedy decoding stop repeating itself.
+    plain = requests.post(url, json={**body, "max_tokens": 200}, timeout=30).json()
+    penalized = requests.post(
+        url, json={**body, "max_tokens": 200, "frequency_penalty": 2.0}, timeout=30
+    ).json()
+    assert plain["choices"][0]["text"] != penalized["choices"][0]["text"]
+    for field, bad in [("logit_bias", {"x": 1}), ("logit_bias", {"5": 500}),
+                       ("logit_bias", {"99999999": 1}), ("presence_penalty", 3)]:  # fmt: skip
+        resp = requests.post(url, json={**body, field: bad}, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"].startswith(field)
 
 
 def test_the_batch_api_follows_each_lines_schema(client: openai.OpenAI, tmp_path: Path) -> None:
@@ -406,3 +429,30 @@ def test_a_required_tool_call_parked_twice_is_identical(slow: Cluster) -> None:
     assert got[0]["function"]["name"] == "save_notes"
     jsonschema.validate(json.loads(got[0]["function"]["arguments"]), _parameters(NOTES))
     assert _finish(events) == "tool_calls"
+
+
+@pytest.mark.timeout(300)
+def test_penalties_and_bias_are_exact_across_parks(slow: Cluster) -> None:
+    body = {"prompt": "The long penalized job", "max_tokens": 600, "temperature": 0.8,
+            "seed": 4, "logprobs": 1, "ignore_eos": True, "priority": "batch",
+            "presence_penalty": 0.7, "frequency_penalty": 0.4,
+            "logit_bias": {"5": 3.5}}  # fmt: skip
+    reference_resp = submit_stream(slow.base_url, body)
+    reference = read_events(reference_resp)
+    assert job(slow.base_url, reference_resp.headers["X-Job-Id"])["preemptions"] == 0
+    resp = submit_stream(slow.base_url, body)
+    job_id = resp.headers["X-Job-Id"]
+    short = {"prompt": "Quick question", "max_tokens": 4, "priority": "interactive"}
+    for _ in range(2):
+        start = job(slow.base_url, job_id)["tokens"]
+        wait_until(
+            lambda start=start: (
+                job(slow.base_url, job_id)["tokens"] > start + 20
+                and job(slow.base_url, job_id)["state"] == "running"
+            )
+        )
+        assert read_events(submit_stream(slow.base_url, short))[-1][1] == "[DONE]"
+    events = read_events(resp)
+    assert job(slow.base_url, job_id)["preemptions"] == 2
+    assert completion_text(events) == completion_text(reference)
+    assert logprob_tokens(events) == logprob_tokens(reference)

@@ -51,3 +51,16 @@ def test_a_tiny_temperature_samples_the_best_token_without_nan() -> None:
     logits = np.array([0.5, 3.0, -2.0, 2.999], dtype=np.float32)
     for t in (1.1125369292536007e-308, 1e-30, 1e-6):
         assert sample(logits, SamplingParams(temperature=t, seed=3), step=0) == 1
+
+
+def test_penalties_and_bias_follow_the_generated_tokens_only() -> None:
+    logits = np.zeros(6, dtype=np.float32)
+    params = SamplingParams(
+        presence_penalty=0.5, frequency_penalty=0.25, logit_bias={"4": 3.0, "5": -100.0}
+    )
+    out = params.adjusted(logits, [1, 1, 2])
+    assert out.tolist() == [0.0, -1.0, -0.75, 0.0, 3.0, -100.0]
+    assert logits.tolist() == [0.0] * 6  # the engine's logits are left alone
+    assert params.adjusted(logits, [2, 1, 1]).tolist() == out.tolist()  # counts, not order
+    plain = SamplingParams()
+    assert plain.adjusted(logits, [1, 2]) is logits
