@@ -49,6 +49,8 @@ class GenerationRequest:
     created: int = 0
     #: An llguidance grammar the output must follow (response_format), or None.
     grammar: str | None = None
+    #: Completions' ``echo``: the prompt's text, streamed before the first token.
+    echo: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -65,6 +67,7 @@ class GenerationRequest:
             "tools": self.tools,
             "created": self.created,
             "grammar": self.grammar,
+            "echo": self.echo,
         }
 
     @classmethod
@@ -83,6 +86,7 @@ class GenerationRequest:
             tools=bool(d.get("tools", False)),
             created=int(d.get("created", 0)),
             grammar=d.get("grammar"),
+            echo=d.get("echo"),
         )
 
 
@@ -202,6 +206,8 @@ class Generation:
         out: list[str] = []
         if not self.started and self.request.kind == "chat":
             out.append(self.chunks.role())
+        elif not self.started and self.request.echo:
+            out.append(self._delta(self.request.echo))
         self.started = True
         if self.is_eog(token) and not self.request.ignore_eos:
             self.finish_reason = "stop"

@@ -272,13 +272,12 @@ class Worker:
             steps = [(r.seq, r.call.tokens[0], r.call.pos) for r in decoding]
             self._measured(len(steps), self._serve(decoding, lambda: self.engine.decode(steps)))
         for p in [self._running[index] for index in plan.prefill]:
-            call = p.call
-            self._measured(
-                None,
-                self._serve(
-                    [p], lambda p=p, call=call: [self.engine.eval(call.tokens, call.pos, p.seq)]
-                ),
-            )
+            self._measured(None, self._serve([p], self._call_of(p)))
+
+    def _call_of(self, r: _Running) -> Callable[[], list[np.ndarray]]:
+        """``r``'s pending engine call, alone (a prefill chunk)."""
+        call = r.call
+        return lambda: [self.engine.eval(call.tokens, call.pos, r.seq)]
 
     def _measured(self, n: int | None, ms: float) -> None:
         """Fold a call's duration into the step times the planner is given: a

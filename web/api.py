@@ -214,11 +214,14 @@ def _completion_job(req: CompletionRequest) -> GenerationRequest:
         ids = [int(t) for t in prompt]
         if any(not 0 <= t < runtime.vocab.n_vocab for t in ids):
             raise BadRequest("prompt token id out of the vocabulary", param="prompt")
+        text = b"".join(runtime.vocab.token_bytes(t) for t in ids).decode(errors="replace")
     else:
-        text = prompt[0] if isinstance(prompt, list) else prompt
-        ids = runtime.vocab.tokenize(str(text), special=False)
+        text = str(prompt[0] if isinstance(prompt, list) else prompt)
+        ids = runtime.vocab.tokenize(text, special=False)
     if not ids:
         raise BadRequest("The prompt is empty.", param="prompt")
+    if req.echo and req.logprobs is not None:
+        raise BadRequest("echo with logprobs is not supported", param="echo")
     return GenerationRequest(
         kind="completion",
         model=runtime.model_name,
@@ -234,6 +237,7 @@ def _completion_job(req: CompletionRequest) -> GenerationRequest:
         include_usage=req.include_usage,
         created=int(time.time()),
         grammar=_grammar(req),
+        echo=text if req.echo else None,
     )
 
 

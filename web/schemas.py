@@ -188,13 +188,6 @@ class CompletionRequest(_Common):
             )
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens

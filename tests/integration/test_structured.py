@@ -456,3 +456,23 @@ def test_penalties_and_bias_are_exact_across_parks(slow: Cluster) -> None:
     assert job(slow.base_url, job_id)["preemptions"] == 2
     assert completion_text(events) == completion_text(reference)
     assert logprob_tokens(events) == logprob_tokens(reference)
+
+
+def test_echo_puts_the_prompt_before_the_completion(server: Server) -> None:
+    url = f"{server.base_url}/v1/completions"
+    body = {"prompt": "The printing press", "max_tokens": 16, "temperature": 0}
+    plain = requests.post(url, json=body, timeout=30).json()["choices"][0]["text"]
+    echoed = requests.post(url, json={**body, "echo": True}, timeout=30).json()
+    assert echoed["choices"][0]["text"] == "The printing press" + plain
+    assert echoed["usage"]["completion_tokens"] == 16
+    events = read_events(submit_stream(server.base_url, {**body, "echo": True}))
+    assert completion_text(events) == "The printing press" + plain
+    ids = requests.post(f"{server.base_url}/v1/tokenize", json={"text": "The printing press"},
+                        timeout=30).json()["tokens"]  # fmt: skip
+    by_ids = requests.post(url, json={**body, "prompt": ids, "echo": True}, timeout=30).json()
+    ids_plain = requests.post(url, json={**body, "prompt": ids}, timeout=30).json()
+    text = requests.post(f"{server.base_url}/v1/detokenize", json={"tokens": ids},
+                         timeout=30).json()["text"]  # fmt: skip
+    assert by_ids["choices"][0]["text"] == text + ids_plain["choices"][0]["text"]
+    refused = requests.post(url, json={**body, "echo": True, "logprobs": 2}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
