@@ -235,6 +235,31 @@ def slow(redis_server, tiny_model: Path, tmp_path_factory) -> Iterator[Cluster]:
         yield c
 
 
+def _uninterrupted_and_parked(
+    c: Cluster, body: dict[str, Any], parks: int, route: str = "completions"
+) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """The events of ``body`` run once alone and once parked ``parks`` times (an
+    interactive request each time the job has made 20 more tokens)."""
+    reference_resp = submit_stream(c.base_url, body, route)
+    reference = read_events(reference_resp)
+    assert job(c.base_url, reference_resp.headers["X-Job-Id"])["preemptions"] == 0
+    resp = submit_stream(c.base_url, body, route)
+    job_id = resp.headers["X-Job-Id"]
+    short = {"prompt": "Quick question", "max_tokens": 4, "priority": "interactive"}
+    for _ in range(parks):
+        start = job(c.base_url, job_id)["tokens"]
+        wait_until(
+            lambda start=start: (
+                job(c.base_url, job_id)["tokens"] > start + 20
+                and job(c.base_url, job_id)["state"] == "running"
+            )
+        )
+        assert read_events(submit_stream(c.base_url, short))[-1][1] == "[DONE]"
+    events = read_events(resp)
+    assert job(c.base_url, job_id)["preemptions"] == parks
+    return reference, events
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_schema_constrained_job_parked_three_times_is_identical_and_valid(
@@ -245,24 +270,7 @@ def test_a_schema_constrained_job_parked_three_times_is_identical_and_valid(
         "max_tokens": 3000, "temperature": temperature, "seed": 11, "logprobs": True,
         "priority": "batch", "response_format": _format(LONG_SCHEMA),
     }  # fmt: skip
-    reference_resp = submit_stream(slow.base_url, body, "chat/completions")
-    reference = read_events(reference_resp)
-    assert job(slow.base_url, reference_resp.headers["X-Job-Id"])["preemptions"] == 0
-
-    resp = submit_stream(slow.base_url, body, "chat/completions")
-    job_id = resp.headers["X-Job-Id"]
-    short = {"prompt": "Quick question", "max_tokens": 4, "priority": "interactive"}
-    for _ in range(3):
-        start = job(slow.base_url, job_id)["tokens"]
-        wait_until(
-            lambda start=start: (
-                job(slow.base_url, job_id)["tokens"] > start + 20
-                and job(slow.base_url, job_id)["state"] == "running"
-            )
-        )
-        assert read_events(submit_stream(slow.base_url, short))[-1][1] == "[DONE]"
-    events = read_events(resp)
-    assert job(slow.base_url, job_id)["preemptions"] == 3
+    reference, events = _uninterrupted_and_parked(slow, body, 3, "chat/completions")
     text = _content(events)
     assert text == _content(reference)
     assert [c["choices"][0].get("logprobs") for c in chunks(events) if c.get("choices")] == [
@@ -397,24 +405,7 @@ def test_a_required_tool_call_parked_twice_is_identical(slow: Cluster) -> None:
         "tools": [NOTES], "tool_choice": {"type": "function", "function": {"name": "save_notes"}},
         "max_tokens": 3000, "temperature": 0.8, "seed": 21, "priority": "batch",
     }  # fmt: skip
-    reference_resp = submit_stream(slow.base_url, body, "chat/completions")
-    reference = read_events(reference_resp)
-    assert job(slow.base_url, reference_resp.headers["X-Job-Id"])["preemptions"] == 0
-
-    resp = submit_stream(slow.base_url, body, "chat/completions")
-    job_id = resp.headers["X-Job-Id"]
-    short = {"prompt": "Quick question", "max_tokens": 4, "priority": "interactive"}
-    for _ in range(2):
-        start = job(slow.base_url, job_id)["tokens"]
-        wait_until(
-            lambda start=start: (
-                job(slow.base_url, job_id)["tokens"] > start + 20
-                and job(slow.base_url, job_id)["state"] == "running"
-            )
-        )
-        assert read_events(submit_stream(slow.base_url, short))[-1][1] == "[DONE]"
-    events = read_events(resp)
-    assert job(slow.base_url, job_id)["preemptions"] == 2
+    reference, events = _uninterrupted_and_parked(slow, body, 2, "chat/completions")
 
     def calls(evs: list[tuple[int, str]]) -> list[dict[str, Any]]:
         return [  # the call ids derive from the job ids: compare the rest
@@ -437,23 +428,7 @@ def test_penalties_and_bias_are_exact_across_parks(slow: Cluster) -> None:
             "seed": 4, "logprobs": 1, "ignore_eos": True, "priority": "batch",
             "presence_penalty": 0.7, "frequency_penalty": 0.4,
             "logit_bias": {"5": 3.5}}  # fmt: skip
-    reference_resp = submit_stream(slow.base_url, body)
-    reference = read_events(reference_resp)
-    assert job(slow.base_url, reference_resp.headers["X-Job-Id"])["preemptions"] == 0
-    resp = submit_stream(slow.base_url, body)
-    job_id = resp.headers["X-Job-Id"]
-    short = {"prompt": "Quick question", "max_tokens": 4, "priority": "interactive"}
-    for _ in range(2):
-        start = job(slow.base_url, job_id)["tokens"]
-        wait_until(
-            lambda start=start: (
-                job(slow.base_url, job_id)["tokens"] > start + 20
-                and job(slow.base_url, job_id)["state"] == "running"
-            )
-        )
-        assert read_events(submit_stream(slow.base_url, short))[-1][1] == "[DONE]"
-    events = read_events(resp)
-    assert job(slow.base_url, job_id)["preemptions"] == 2
+    reference, events = _uninterrupted_and_parked(slow, body, 2)
     assert completion_text(events) == completion_text(reference)
     assert logprob_tokens(events) == logprob_tokens(reference)
 
