@@ -147,14 +147,20 @@ def choose_kernels(
         pass
     log.info("probing llama.cpp's extra buffer types on %s in a child process", model)
     choice = _probe(command or probe_command(model), timeout)
+    _remember(path, {"extra_buffers": choice.extra_buffers, "reason": choice.reason})
+    return choice
+
+
+def _remember(path: Path, verdict: dict[str, object]) -> None:
+    """Write a verdict to the cache atomically; a cache that cannot be written is
+    only a warning (the check runs again at the next start)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"extra_buffers": choice.extra_buffers, "reason": choice.reason}))
+        tmp.write_text(json.dumps(verdict))
         tmp.replace(path)
     except OSError as exc:
-        log.warning("cannot cache the kernel verdict at %s: %s", path, exc)
-    return choice
+        log.warning("cannot cache the verdict at %s: %s", path, exc)
 
 
 def invariant_batch_size(engine: LlamaEngine, limit: int, cache_dir: str | None) -> tuple[int, str]:
@@ -171,13 +177,7 @@ def invariant_batch_size(engine: LlamaEngine, limit: int, cache_dir: str | None)
     except (OSError, ValueError, KeyError, TypeError):
         pass
     size = engine.invariant_batch_size(limit)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"invariant_batch_size": size}))
-        tmp.replace(path)
-    except OSError as exc:
-        log.warning("cannot cache the batching verdict at %s: %s", path, exc)
+    _remember(path, {"invariant_batch_size": size})
     return size, "checked"
 
 
