@@ -25,6 +25,8 @@ class ChunkWriter:
     model: str
     created: int
     piece: Callable[[int], bytes]
+    #: The choice this job is (``n`` > 1: one job per choice).
+    index: int = 0
 
     @property
     def chat(self) -> bool:
@@ -44,7 +46,7 @@ class ChunkWriter:
 
     def role(self) -> str:
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
@@ -54,10 +56,15 @@ class ChunkWriter:
     def delta(self, text: str, logprobs: list[TokenLogprob] | None, offset: int) -> str:
         if self.chat:
             lp = None if logprobs is None else {"content": [self._chat_lp(t) for t in logprobs]}
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
+            choice = {
+                "index": self.index,
+                "delta": {"content": text},
+                "logprobs": lp,
+                "finish_reason": None,
+            }
         else:
             lp = None if logprobs is None else self._completion_lp(logprobs, offset)
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": None}
+            choice = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": None}
         return self._envelope([choice])
 
     def tool_call(self, index: int, call_id: str, name: str, arguments: str) -> str:
@@ -68,7 +75,7 @@ class ChunkWriter:
             "function": {"name": name, "arguments": arguments},
         }
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": {"tool_calls": [call]},
             "logprobs": None,
             "finish_reason": None,
@@ -78,13 +85,13 @@ class ChunkWriter:
     def finish(self, reason: str) -> str:
         if self.chat:
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": self.index,
                 "delta": {},
                 "logprobs": None,
                 "finish_reason": reason,
             }
         else:
-            choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": self.index, "text": "", "logprobs": None, "finish_reason": reason}
         return self._envelope([choice])
 
     def usage(self, usage: dict[str, int]) -> str:

@@ -51,6 +51,13 @@ class GenerationRequest:
     grammar: str | None = None
     #: Completions' ``echo``: the prompt's text, streamed before the first token.
     echo: str | None = None
+    #: ``n`` > 1: the request's choices are jobs of their own; this is choice
+    #: ``choice`` of ``choices``, streamed under the response's id
+    #: ``response_id`` (empty: the job's own id). Siblings on one worker share
+    #: the prompt's KV.
+    choice: int = 0
+    choices: int = 1
+    response_id: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -68,6 +75,9 @@ class GenerationRequest:
             "created": self.created,
             "grammar": self.grammar,
             "echo": self.echo,
+            "choice": self.choice,
+            "choices": self.choices,
+            "response_id": self.response_id,
         }
 
     @classmethod
@@ -87,6 +97,9 @@ class GenerationRequest:
             created=int(d.get("created", 0)),
             grammar=d.get("grammar"),
             echo=d.get("echo"),
+            choice=int(d.get("choice", 0)),
+            choices=int(d.get("choices", 1)),
+            response_id=str(d.get("response_id", "")),
         )
 
 
@@ -118,7 +131,12 @@ class Generation:
                 raise ValueError("this engine cannot follow a grammar")
             self.constraint = self.constrain(self.request.grammar)
         self.chunks = ChunkWriter(
-            self.request.kind, self.job_id, self.request.model, self.request.created, self.piece
+            self.request.kind,
+            self.request.response_id or self.job_id,
+            self.request.model,
+            self.request.created,
+            self.piece,
+            self.request.choice,
         )
 
     # -- checkpoint ------------------------------------------------------------
@@ -238,7 +256,7 @@ class Generation:
         if reason == "stop" and self.parser.count:
             reason = "tool_calls"
         out = [self.chunks.finish(reason)]
-        if self.request.include_usage:
+        if self.request.include_usage and self.request.choices == 1:  # else the web's
             out.append(self.chunks.usage(self.usage))
         out.append(DONE)
         return self._count(out)
@@ -258,7 +276,9 @@ class Generation:
         out: list[str] = []
         for piece in pieces:
             if isinstance(piece, ToolCall):
-                call_id = f"call_{self.job_id.rsplit('-', 1)[-1][:16]}_{piece.index}"
+                call_id = f"call_{self.chunks.job_id.rsplit('-', 1)[-1][:16]}_{piece.index}"
+                if self.request.choice:
+                    call_id += f"_{self.request.choice}"
                 out.append(self.chunks.tool_call(piece.index, call_id, piece.name, piece.arguments))
             elif piece:
                 out.append(self._delta(piece))

@@ -118,6 +118,8 @@ def generate(
     keep: int | None = None,
     seq: int = 0,
     in_place: bool = False,
+    prompt_logits: np.ndarray | None = None,
+    prefilled: Callable[[np.ndarray], None] | None = None,
 ) -> Run:
     """Run ``gen`` on sequence ``seq`` until it finishes, is cancelled or is asked
     to park. The KV bookkeeping (clear, restore, truncate) is done on ``engine``
@@ -127,7 +129,10 @@ def generate(
     and no ``kv`` the positions are replayed first. ``keep`` truncates a
     restored ``kv`` (a cached prompt prefix); ``in_place``: the sequence still
     holds them (parked in place). ``ready`` is called once the KV cache holds
-    the positions.
+    the positions. ``kv`` of the whole prompt with its last logits,
+    ``prompt_logits``, starts a generation without a prefill (a sibling
+    choice's prompt); ``prefilled`` is given the prompt's last logits when this
+    run computes them.
     """
     ids = gen.request.prompt_ids
     if not in_place:
@@ -142,7 +147,7 @@ def generate(
             return Outcome("parked", [], kv_valid=False)
     if ready is not None:
         ready()
-    logits = None
+    logits = prompt_logits
     while not gen.prefilled:
         start = gen.n_prefilled
         chunk = ids[start : start + n_batch]
@@ -154,6 +159,8 @@ def generate(
                 return Outcome("cancelled", [])
             if flags & PREEMPT:
                 return Outcome("parked", [])
+        if gen.prefilled and prefilled is not None:
+            prefilled(logits)
     pos = gen.n_past
     pending = gen.pending
     if pending is not None:

@@ -76,6 +76,28 @@ class InPlace:
 
 
 @dataclass
+class SharedPrompt:
+    """A prompt's KV and last logits, computed by one choice of a request with
+    ``n`` > 1, for its siblings that start on this worker: they skip the prefill
+    (a copy of KV the same engine calls computed, so nothing changes)."""
+
+    tokens: tuple[int, ...]
+    kv: bytes
+    logits: np.ndarray
+    #: Siblings that may still take it.
+    left: int
+
+
+#: Shared prompts kept at once (each holds one prompt's KV).
+SHARED_PROMPTS = 8
+
+#: The engine call of a choice waiting for a sibling's prefill on this worker:
+#: none; it is asked again after the next step.
+WAIT = Eval([], 0)
+NOTHING = np.empty(0, dtype=np.float32)
+
+
+@dataclass
 class _Running:
     """A generation in progress on a slot, and the engine call it waits for."""
 
@@ -92,6 +114,8 @@ class _Running:
     waited: int = 0
     #: Parked in place: its sequence now holds a parked job's KV.
     kept: bool = False
+    #: The request (response id) whose prompt it is prefilling for its siblings.
+    sharing: str = ""
 
     def send(self, result: np.ndarray | EngineError) -> None:
         assert self.run is not None
@@ -149,6 +173,9 @@ class Worker:
         self._work_waiting = False
         self.checkpoints = CheckpointStore(settings.checkpoint_bytes)
         self.prefixes = PrefixCache(settings.prefix_cache_bytes)
+        self._shared: OrderedDict[str, SharedPrompt] = OrderedDict()
+        #: Requests (response ids) with a choice prefilling its prompt here.
+        self._prefilling: dict[str, int] = {}
         self.stopping = threading.Event()
         self._next_beat = 0.0
         # Connection liveness: workers seen without a connection, and since when;
@@ -253,26 +280,32 @@ class Worker:
         (scheduler.batching) picks, from the measured step times, who decodes
         a token in this step's one call and whose prefill chunks run, each in a
         call of its own, with the boundaries it has alone."""
-        if len(self._running) == 1:
-            (r,) = self._running.values()
+        waiting = [r for r in self._running.values() if r.call is WAIT]
+        runs = [r for r in self._running.values() if r.call is not WAIT]
+        if len(runs) == 1:
+            (r,) = runs
             prefill = len(r.call.tokens) > 1
             ms = self._serve([r], lambda: [self.engine.eval(r.call.tokens, r.call.pos, r.seq)])
             if len(self.slots) > 1:  # what the planner needs: one sequence's pace
                 self._measured(None if prefill else 1, ms)
-            return
-        views = [
-            SeqView(r.slot.index, r.key, r.interactive, len(r.call.tokens) > 1, r.waited)
-            for r in self._running.values()
-        ]
-        plan = plan_step(views, self._decode_ms, self._prefill_ms, self.settings.interactive_pace)
-        for r in self._running.values():
-            r.waited += 1
-        decoding = [self._running[index] for index in plan.decode]
-        if decoding:
-            steps = [(r.seq, r.call.tokens[0], r.call.pos) for r in decoding]
-            self._measured(len(steps), self._serve(decoding, lambda: self.engine.decode(steps)))
-        for p in [self._running[index] for index in plan.prefill]:
-            self._measured(None, self._serve([p], self._call_of(p)))
+        elif runs:
+            views = [
+                SeqView(r.slot.index, r.key, r.interactive, len(r.call.tokens) > 1, r.waited)
+                for r in runs
+            ]
+            pace = self.settings.interactive_pace
+            plan = plan_step(views, self._decode_ms, self._prefill_ms, pace)
+            for r in runs:
+                r.waited += 1
+            decoding = [self._running[index] for index in plan.decode]
+            if decoding:
+                steps = [(r.seq, r.call.tokens[0], r.call.pos) for r in decoding]
+                ms = self._serve(decoding, lambda: self.engine.decode(steps))
+                self._measured(len(steps), ms)
+            for p in [self._running[index] for index in plan.prefill]:
+                self._measured(None, self._serve([p], self._call_of(p)))
+        for r in waiting:  # a sibling's prompt may be ready now
+            self._deliver(r, NOTHING)
 
     def _call_of(self, r: _Running) -> Callable[[], list[np.ndarray]]:
         """``r``'s pending engine call, alone (a prefill chunk)."""
@@ -301,15 +334,19 @@ class Worker:
         ms = (time.perf_counter() - t0) * 1000
         for r, result in zip(runs, results, strict=True):
             r.waited = 0
-            try:
-                r.send(result)
-            except StopIteration:
-                del self._running[r.slot.index]
-                self._feed_batch(r.job_id)
-            except BaseException:
-                del self._running[r.slot.index]  # a Redis outage past the retries
-                raise
+            self._deliver(r, result)
         return ms
+
+    def _deliver(self, r: _Running, result: np.ndarray | EngineError) -> None:
+        """Send ``r`` its call's result; a generation that ends frees its slot."""
+        try:
+            r.send(result)
+        except StopIteration:
+            del self._running[r.slot.index]
+            self._feed_batch(r.job_id)
+        except BaseException:
+            del self._running[r.slot.index]  # a Redis outage past the retries
+            raise
 
     def beat(self, force: bool = True) -> None:
         """Heartbeat; requeue dead workers' jobs; free checkpoints of ended jobs."""
@@ -405,6 +442,7 @@ class Worker:
         try:
             yield from self._job(slot, claim, running)
         finally:
+            self._prefilled(running)
             if running.seq >= 0 and not running.kept:
                 self._release_seq(running.seq)
 
@@ -435,7 +473,21 @@ class Worker:
         kv, in_place = self._kv_for(job_id, record, gen, running)
         seq = running.seq
         keep = None
-        if not resume and (hit := self.prefixes.best(request.prompt_ids, self.settings.n_batch)):
+        shared = None
+        if not resume and request.choices > 1:
+            # One of several choices: take a sibling's prompt, or wait while a
+            # sibling here computes it, or compute it for them.
+            while (shared := self._take_shared(request)) is None:
+                if not self._prefilling.get(request.response_id):
+                    running.sharing = request.response_id
+                    self._prefilling[running.sharing] = 1 + self._prefilling.get(running.sharing, 0)
+                    break
+                yield WAIT
+        if shared is not None:
+            kv = shared.kv
+            gen.n_prefilled = len(request.prompt_ids)
+            self._metric(lambda: self.store.count("prompt_tokens_shared", gen.n_prefilled))
+        elif not resume and (hit := self.prefixes.best(request.prompt_ids, self.settings.n_batch)):
             kv, keep = hit[0].kv, hit[1]
             gen.n_prefilled = keep
             self._metric(lambda: self.store.record(prefix_hit_tokens=keep))
@@ -448,6 +500,8 @@ class Worker:
             len(gen.generated),
             "from its KV, kept in place"
             if in_place
+            else "the prompt computed by a sibling choice"
+            if shared is not None
             else "from its checkpoint"
             if kv is not None and keep is None
             else "replaying"
@@ -521,7 +575,7 @@ class Worker:
             return step.flags
 
         def ready() -> None:
-            if (kv is not None or in_place) and keep is None:  # resumed from a checkpoint
+            if resume and (kv is not None or in_place):  # resumed from a checkpoint
                 resume_ms = (time.perf_counter() - t_claim) * 1000
                 self._metric(lambda: self.store.record(resume_ms=resume_ms))
                 self._metric(lambda: self.store.observe("resume_ms", resume_ms))
@@ -538,6 +592,10 @@ class Worker:
                 keep=keep,
                 seq=seq,
                 in_place=in_place,
+                prompt_logits=None if shared is None else shared.logits.copy(),
+                prefilled=(lambda logits: self._share(running, request, logits))
+                if running.sharing
+                else None,
             )
         except Fenced:
             log.warning("job %s: execution %s was superseded; dropping it", job_id, token)
@@ -556,6 +614,35 @@ class Worker:
         long_prompt = len(request.prompt_ids) >= 2 * self.settings.n_batch
         if outcome.state == "finished" and long_prompt and self.prefixes.budget:
             self.prefixes.put(request.prompt_ids, self.engine.save_seq(seq))
+
+    # -- a request's choices share its prompt -----------------------------
+
+    def _take_shared(self, request: GenerationRequest) -> SharedPrompt | None:
+        shared = self._shared.get(request.response_id)
+        if shared is None or shared.tokens != tuple(request.prompt_ids):
+            return None
+        shared.left -= 1
+        if shared.left <= 0:
+            del self._shared[request.response_id]
+        return shared
+
+    def _share(self, running: _Running, request: GenerationRequest, logits: np.ndarray) -> None:
+        """``running`` computed its request's prompt: keep it for the siblings."""
+        self._prefilled(running)
+        kv = bytes(self.engine.save_seq(running.seq))
+        tokens = tuple(request.prompt_ids)
+        left = request.choices - 1
+        self._shared[request.response_id] = SharedPrompt(tokens, kv, logits.copy(), left)
+        while len(self._shared) > SHARED_PROMPTS:
+            self._shared.popitem(last=False)
+
+    def _prefilled(self, running: _Running) -> None:
+        """``running`` no longer computes a prompt for its siblings."""
+        if running.sharing:
+            left = self._prefilling.pop(running.sharing, 1) - 1
+            if left > 0:
+                self._prefilling[running.sharing] = left
+            running.sharing = ""
 
     # -- KV: engine sequences, kept in place or copied out ------------------
 

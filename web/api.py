@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
@@ -24,6 +25,7 @@ from jobs.prompts import chat_ids
 from jobs.sampling import SamplingParams
 from jobs.store import QueueFull
 from scheduler.policy import priority_level
+from scheduler.state import TERMINAL, JobState
 from web import sse
 from web.errors import (
     APIError,
@@ -258,10 +260,45 @@ def check_model(runtime: Runtime) -> None:
     )
 
 
-def _submit(prefix: str, gen: GenerationRequest, level: int) -> str:
+def _submit(prefix: str, gen: GenerationRequest, level: int, n: int = 1) -> str:
+    """Queue the request's job (``n`` > 1: one job per choice, ``<id>_<i>``, choice
+    ``i`` sampled with seed + i); returns the response's id."""
     runtime = rt()
     check_model(runtime)
-    job_id = f"{prefix}-{secrets.token_hex(12)}"
+    response_id = f"{prefix}-{secrets.token_hex(12)}"
+    if n == 1:
+        _enqueue(response_id, gen, level)
+    else:
+        queued: list[str] = []
+        try:
+            for i in range(n):
+                choice = replace(
+                    gen,
+                    choice=i,
+                    choices=n,
+                    response_id=response_id,
+                    sampling=replace(gen.sampling, seed=gen.sampling.seed + i),
+                )
+                queued.append(_enqueue(choice_id(response_id, i), choice, level))
+        except TooManyRequests:
+            for job_id in queued:  # all choices or none
+                runtime.store.cancel(job_id, time.time())
+                runtime.rq.canceled(job_id)
+            raise
+    if runtime.settings.preempt:
+        victim = runtime.store.maybe_preempt(time.time())
+        if victim is not None:
+            current_app.logger.info("job %s: preempting worker %s", response_id, victim)
+    return response_id
+
+
+def choice_id(response_id: str, i: int) -> str:
+    """The job of choice ``i`` of a request with ``n`` > 1."""
+    return f"{response_id}_{i}"
+
+
+def _enqueue(job_id: str, gen: GenerationRequest, level: int) -> str:
+    runtime = rt()
     runtime.rq.create(job_id, f"{gen.kind} {len(gen.prompt_ids)}+{gen.max_tokens} tokens")
     try:
         runtime.store.enqueue(job_id, gen.kind, gen.to_json(), level, time.time())
@@ -272,31 +309,103 @@ def _submit(prefix: str, gen: GenerationRequest, level: int) -> str:
             f"The queue is full ({limit} waiting jobs); retry later.", retry_after=2
         ) from None
     current_app.logger.info("job %s: queued (priority %d)", job_id, level)
-    if runtime.settings.preempt:
-        victim = runtime.store.maybe_preempt(time.time())
-        if victim is not None:
-            current_app.logger.info("job %s: preempting worker %s", job_id, victim)
     return job_id
+
+
+def _jobs_of(response_id: str) -> list[str]:
+    """The jobs of a response: itself, or its choices' (``n`` > 1); [] if none."""
+    store = rt().store
+    if store.get(response_id) is not None:
+        return [response_id]
+    first = store.get(choice_id(response_id, 0))
+    if first is None:
+        return []
+    n = int(json.loads(first["request"]).get("choices", 1))
+    return [choice_id(response_id, i) for i in range(n)]
 
 
 # -- responses ----------------------------------------------------------------
 
 
-def _stream(job_id: str, after: int) -> Response:
+def _stream(response_id: str, jobs: list[str], after: list[int]) -> Response:
     runtime = rt()
     sock = request.environ.get("gunicorn.socket")  # to notice a client that left
 
+    def gone() -> bool:
+        return sse.client_gone(sock)
+
     def generate() -> Iterator[bytes]:
         # A first comment sends the headers at once, even while the job waits.
-        yield f": parkq job {job_id}\n\n".encode()
+        yield f": parkq job {response_id}\n\n".encode()
         keepalive = runtime.settings.keepalive_seconds
-        for item in sse.events(
-            runtime.store, job_id, after, keepalive, lambda: sse.client_gone(sock)
-        ):
-            yield sse.KEEPALIVE if item is None else sse.frame(*item)
+        if len(jobs) == 1 and response_id == jobs[0]:
+            for item in sse.events(runtime.store, jobs[0], after[0], keepalive, gone):
+                yield sse.KEEPALIVE if item is None else sse.frame(*item)
+        else:
+            yield from _choices_stream(jobs, after, gone)
 
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Job-Id": job_id}
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Job-Id": response_id}
     return Response(stream_with_context(generate()), mimetype="text/event-stream", headers=headers)
+
+
+def _choices_stream(jobs: list[str], after: list[int], gone: Callable[[], bool]) -> Iterator[bytes]:
+    """The events of a request's choices (``n`` > 1) as they come, each under the
+    id ``s0,s1,...``: the last event of every choice so far, which a reconnect
+    sends back as Last-Event-ID. An error ends every choice and is sent once;
+    then the usage chunk (when asked for) and one [DONE]."""
+    runtime = rt()
+    last, ended, failed = list(after), set(), False
+    items = sse.merged(runtime.store, jobs, after, runtime.settings.keepalive_seconds, gone)
+    for item in items:
+        if item is None:
+            yield sse.KEEPALIVE
+            continue
+        i, seq, data = item
+        last[i] = seq
+        if data == DONE:
+            ended.add(i)
+            continue
+        if data.startswith('{"error"'):
+            if failed:
+                continue
+            failed = True
+            for job_id in jobs:
+                runtime.store.cancel(job_id, time.time())
+        yield sse.frame(_event_id(last), data)
+    if len(ended) < len(jobs):
+        return  # the client left
+    records = [runtime.store.get(job_id) or {} for job_id in jobs]
+    gen = GenerationRequest.from_json(json.loads(records[0]["request"]))
+    event_id = _event_id(last)
+    if gen.include_usage and not failed:
+        chunk: dict[str, Any] = {
+            "id": gen.response_id,
+            "object": "chat.completion.chunk" if gen.kind == "chat" else "text_completion",
+            "created": gen.created,
+            "model": gen.model,
+            "choices": [],
+            "usage": _usage(records),
+        }
+        yield sse.frame(event_id, json.dumps(chunk, separators=(",", ":")))
+    yield sse.frame(event_id, DONE)
+
+
+def _event_id(last: list[int]) -> str:
+    return ",".join(map(str, last))
+
+
+def _usage(records: list[dict[str, str]]) -> dict[str, int] | None:
+    """One request's usage over its choices: the prompt counted once."""
+    usages = [json.loads(r.get("usage") or "null") for r in records]
+    if any(u is None for u in usages):
+        return None
+    prompt = usages[0]["prompt_tokens"]
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def _collect(job_id: str) -> list[dict[str, Any]]:
@@ -316,18 +425,32 @@ def _collect(job_id: str) -> list[dict[str, Any]]:
     return chunks
 
 
-def _aggregate(job_id: str, gen: GenerationRequest) -> dict[str, Any]:
-    chunks = _collect(job_id)
-    record = rt().store.get(job_id) or {}
-    usage = json.loads(record.get("usage", "null"))
-    return assemble(job_id, gen, chunks, usage)
+def _aggregate(response_id: str, jobs: list[str], gen: GenerationRequest) -> dict[str, Any]:
+    """The whole response: every choice's chunks assembled (an error in one
+    ends the others and is the answer)."""
+    store = rt().store
+    choices: list[dict[str, Any]] = []
+    for i, job_id in enumerate(jobs):
+        try:
+            chunks = _collect(job_id)
+        except APIError:
+            for other in jobs:
+                store.cancel(other, time.time())
+            raise
+        record = store.get(job_id) or {}
+        usage = json.loads(record.get("usage", "null"))
+        choices.extend(assemble(response_id, gen, chunks, usage, i)["choices"])
+    body = assemble(response_id, gen, [], None)
+    records = [store.get(job_id) or {} for job_id in jobs]
+    return {**body, "choices": choices, "usage": _usage(records)}
 
 
 def _run(prefix: str, req: _Common, level: int, gen: GenerationRequest) -> Any:
-    job_id = _submit(prefix, gen, level)
+    response_id = _submit(prefix, gen, level, req.n)
+    jobs = [response_id] if req.n == 1 else [choice_id(response_id, i) for i in range(req.n)]
     if req.stream:
-        return _stream(job_id, 0)
-    return jsonify(_aggregate(job_id, gen))
+        return _stream(response_id, jobs, [0] * len(jobs))
+    return jsonify(_aggregate(response_id, jobs, gen))
 
 
 # -- routes -------------------------------------------------------------------
@@ -439,11 +562,11 @@ def healthz() -> Any:
     return jsonify(body), 200 if ok else 503
 
 
-def _job_record(job_id: str) -> dict[str, str]:
-    record = rt().store.get(job_id)
-    if record is None:
+def _jobs(job_id: str) -> list[str]:
+    jobs = _jobs_of(job_id)
+    if not jobs:
         raise NotFound(f"No job with id '{job_id}'.", param="job_id")
-    return record
+    return jobs
 
 
 def _float(record: dict[str, str], key: str) -> float | None:
@@ -451,10 +574,8 @@ def _float(record: dict[str, str], key: str) -> float | None:
     return float(value) if value else None
 
 
-@bp.get("/v1/jobs/<job_id>")
-def job_status(job_id: str) -> Any:
-    record = _job_record(job_id)
-    body = {
+def _status(job_id: str, record: dict[str, str]) -> dict[str, Any]:
+    return {
         "id": job_id,
         "object": "job",
         "kind": record.get("kind"),
@@ -472,24 +593,82 @@ def job_status(job_id: str) -> Any:
         "usage": json.loads(record["usage"]) if record.get("usage") else None,
         "error": record.get("error"),
     }
+
+
+def _overall(states: list[str]) -> str:
+    """The state of a request from its choices' states."""
+    if all(JobState(s) in TERMINAL for s in states):
+        for state in (JobState.FAILED, JobState.CANCELLED):
+            if state in states:
+                return state.value
+        return JobState.FINISHED.value
+    for state in (JobState.RUNNING, JobState.PARKING, JobState.PARKED):
+        if state in states:
+            return state.value
+    return JobState.RUNNING.value if JobState.FINISHED in states else JobState.QUEUED.value
+
+
+@bp.get("/v1/jobs/<job_id>")
+def job_status(job_id: str) -> Any:
+    """A job's state; for a request with ``n`` > 1, its choices' jobs in ``choices``."""
+    jobs = _jobs(job_id)
+    store = rt().store
+    records = [store.get(j) or {} for j in jobs]
+    if jobs == [job_id]:
+        return jsonify(_status(job_id, records[0]))
+    choices = [_status(j, r) for j, r in zip(jobs, records, strict=True)]
+    body = {
+        "id": job_id,
+        "object": "job",
+        "kind": records[0].get("kind"),
+        "state": _overall([c["state"] for c in choices]),
+        "priority": choices[0]["priority"],
+        "tokens": sum(c["tokens"] for c in choices),
+        "preemptions": sum(c["preemptions"] for c in choices),
+        "usage": _usage(records),
+        "choices": choices,
+    }
     return jsonify(body)
 
 
 @bp.get("/v1/jobs/<job_id>/events")
 def job_events(job_id: str) -> Any:
-    _job_record(job_id)
+    """A job's events after Last-Event-ID; for a request with ``n`` > 1 the id is
+    the stream's own ``s0,s1,...``."""
+    jobs = _jobs(job_id)
     raw = request.headers.get("Last-Event-ID") or request.args.get("last_event_id") or "0"
     try:
-        after = int(raw)
+        after = [int(part) for part in raw.split(",")]
     except ValueError:
         raise BadRequest("Last-Event-ID must be an event id (an integer).") from None
-    if after < 0:
+    if len(jobs) > 1 and after == [0]:
+        after = [0] * len(jobs)
+    if len(after) != len(jobs):
+        raise BadRequest(
+            f"Last-Event-ID must be an event id of this stream: {len(jobs)} integers, "
+            "comma-separated (one per choice)."
+        )
+    if min(after) < 0:
         raise BadRequest("Last-Event-ID must not be negative.")
-    return _stream(job_id, after)
+    return _stream(job_id, jobs, after)
 
 
 @bp.delete("/v1/jobs/<job_id>")
 def cancel_job(job_id: str) -> Any:
+    """Cancel a job (for a request with ``n`` > 1, every choice)."""
+    jobs = _jobs(job_id)
+    results = [_cancel(j) for j in jobs]
+    if all(r.startswith("ended:") for r in results):
+        state = _overall([r.removeprefix("ended:") for r in results])
+        raise Conflict(f"Job '{job_id}' has already ended ({state}).", code="job_ended")
+    if "cancelling" in results:
+        current_app.logger.info("job %s: cancel requested while running", job_id)
+        return jsonify({"id": job_id, "object": "job", "state": "cancelling"}), 202
+    return jsonify({"id": job_id, "object": "job", "state": "cancelled"})
+
+
+def _cancel(job_id: str) -> str:
+    """Cancel one job: "cancelled", "cancelling" (it runs) or "ended:<state>"."""
     runtime = rt()
     result = runtime.store.cancel(job_id, time.time())
     if result is None:
@@ -500,9 +679,4 @@ def cancel_job(job_id: str) -> Any:
         runtime.store.count("jobs_cancelled")
         runtime.rq.canceled(job_id)
         current_app.logger.info("job %s: cancelled while waiting", job_id)
-        return jsonify({"id": job_id, "object": "job", "state": "cancelled"})
-    if result == "cancelling":
-        current_app.logger.info("job %s: cancel requested while running", job_id)
-        return jsonify({"id": job_id, "object": "job", "state": "cancelling"}), 202
-    state = result.removeprefix("ended:")
-    raise Conflict(f"Job '{job_id}' has already ended ({state}).", code="job_ended")
+    return result

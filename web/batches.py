@@ -13,7 +13,7 @@ import re
 import secrets
 import threading
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from flask import Blueprint, Response, current_app, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field
@@ -161,10 +161,21 @@ def _line_job(raw: str, endpoint: str, seen: set[str]) -> tuple[str, GenerationR
     body = {**body, "stream": False, "priority": "batch"}
     try:
         if endpoint == "/v1/chat/completions":
-            return custom_id, _chat_job(parse(ChatRequest, body))
-        return custom_id, _completion_job(parse(CompletionRequest, body))
+            return custom_id, _chat_job(_one_choice(parse(ChatRequest, body)))
+        return custom_id, _completion_job(_one_choice(parse(CompletionRequest, body)))
     except APIError as exc:
         raise _LineError(exc.code or "invalid_request", exc.message, custom_id) from None
+
+
+R = TypeVar("R", ChatRequest, CompletionRequest)
+
+
+def _one_choice(req: R) -> R:
+    if req.n != 1:
+        raise BadRequest(
+            "A batch line asks for one choice: 'n' must be 1 (send n lines instead).", param="n"
+        )
+    return req
 
 
 def _error_line(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
@@ -297,9 +308,16 @@ def _batch_object(batches: BatchStore, batch_id: str) -> dict[str, Any]:
     """The batch as OpenAI describes it, brought up to date with its jobs."""
     record = _batch(batches, batch_id)
     status = record["status"]
+    if status in ENDED and "total" not in record:
+        # Failed before any line was queued: its error file is written now (or
+        # by the thread that failed it, which holds the lock meanwhile).
+        _finalize(batches, batch_id, [], [])
+        record = _batch(batches, batch_id)
+        status = record["status"]
     if status in ENDED:
-        total = int(record["total"])
-        completed, failed = int(record["completed"]), int(record["failed"])
+        invalid = record["invalid"]
+        total = int(record.get("total", invalid))
+        completed, failed = int(record.get("completed", 0)), int(record.get("failed", invalid))
     elif status == "validating":
         _start_validation(batches, batch_id)  # again, if its validator died with its process
         total = completed = failed = 0
@@ -375,7 +393,8 @@ def _finalize(
             return  # already finalized
         cancelled = record["status"] == "cancelling"
         now = str(int(time.time()))
-        batches.update(batch_id, {"status": "finalizing", "finalizing_at": now})
+        if record["status"] != "failed":  # a failed batch stays failed meanwhile
+            batches.update(batch_id, {"status": "finalizing", "finalizing_at": now})
         out: list[dict[str, Any]] = []
         err: list[dict[str, Any]] = list(batches.invalid_lines(batch_id))
         completed = failed = 0

@@ -10,9 +10,10 @@ __all__ = ["assemble"]
 
 
 def assemble(
-    job_id: str, gen: GenerationRequest, chunks: list[dict[str, Any]], usage: Any
+    job_id: str, gen: GenerationRequest, chunks: list[dict[str, Any]], usage: Any, index: int = 0
 ) -> dict[str, Any]:
-    """The non-streamed response body of a job from its streamed chunks."""
+    """The non-streamed response body of a job from its streamed chunks (its
+    one choice has ``index``)."""
     finish = None
     text: list[str] = []
     chat_lp: list[Any] = []
@@ -45,8 +46,9 @@ def assemble(
                 {k: v for k, v in call.items() if k != "index"} for call in tool_calls
             ]
         logprobs = {"content": chat_lp} if gen.logprobs else None
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
         return {**base, "object": "chat.completion", "choices": [choice]}
     logprobs_c = cmpl_lp if gen.logprobs else None
-    choice = {"index": 0, "text": "".join(text), "logprobs": logprobs_c, "finish_reason": finish}
+    text_ = "".join(text)
+    choice = {"index": index, "text": text_, "logprobs": logprobs_c, "finish_reason": finish}
     return {**base, "object": "text_completion", "choices": [choice]}

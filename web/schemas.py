@@ -21,6 +21,7 @@ __all__ = [
 M = TypeVar("M", bound=BaseModel)
 
 MAX_STOP = 4
+MAX_CHOICES = 16
 MAX_STOP_LEN = 256
 
 
@@ -76,14 +77,10 @@ class _Common(BaseModel):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, json_schema_extra={"minimum": 1, "maximum": 1})
-
-    @field_validator("n")
-    @classmethod
-    def _only_one(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
+    #: Choices to generate: each is a job (a sequence) of its own, choice i
+    #: sampled with seed + i; siblings on one worker share the prompt's KV.
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    user: str | None = None  # accepted, not used
 
     priority: str | int = "interactive"
     ignore_eos: bool = False

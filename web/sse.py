@@ -18,12 +18,12 @@ import redis
 from jobs.events import DONE
 from jobs.store import Store
 
-__all__ = ["KEEPALIVE", "client_gone", "events", "frame"]
+__all__ = ["KEEPALIVE", "client_gone", "events", "frame", "merged"]
 
 KEEPALIVE = b": keepalive\n\n"
 
 
-def frame(seq: int, data: str) -> bytes:
+def frame(seq: int | str, data: str) -> bytes:
     """One SSE event with its id."""
     return f"id: {seq}\ndata: {data}\n\n".encode()
 
@@ -66,22 +66,47 @@ def events(
     ``keepalive`` seconds while nothing happens, so the caller can keep the
     connection alive.
     """
+    for item in merged(store, [job_id], [after], keepalive, gone):
+        yield None if item is None else item[1:]
+
+
+def merged(
+    store: Store,
+    job_ids: list[str],
+    after: list[int],
+    keepalive: float,
+    gone: Callable[[], bool] | None = None,
+) -> Iterator[tuple[int, int, str] | None]:
+    """The events of several jobs (the choices of one request) as they come:
+    ``(i, seq, data)`` for job ``job_ids[i]``'s events after ``after[i]``, each
+    job's in order; ``None`` when idle. Ends once every job has sent
+    ``[DONE]`` (each one's ``[DONE]`` is yielded too), or when the client left.
+    """
     pubsub = store.r.pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(store.keys.channel(job_id))
-    last = after
-    store.reader(job_id, +1, time.time())
+    channels = {store.keys.channel(job_id).encode(): i for i, job_id in enumerate(job_ids)}
+    pubsub.subscribe(*channels)
+    last = list(after)
+    open_ = set(range(len(job_ids)))
+    now = time.time()
+    for job_id in job_ids:
+        store.reader(job_id, +1, now)
     try:
-        while True:
-            for seq, data in store.events_after(job_id, last):
-                last = seq
-                yield seq, data
-                if data == DONE:
-                    return
+        stale = set(open_)  # jobs whose stored events may hold some not yet yielded
+        while open_:
+            for i in sorted(stale & open_):
+                for seq, data in store.events_after(job_ids[i], last[i]):
+                    last[i] = seq
+                    yield i, seq, data
+                    if data == DONE:
+                        open_.discard(i)
+                        break
+            stale = set()
             deadline = time.monotonic() + keepalive
-            while True:
+            while open_ and not stale:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     yield None
+                    stale = set(open_)  # and look in the streams once more
                     break
                 if gone is not None and gone():
                     return
@@ -89,20 +114,25 @@ def events(
                     msg = pubsub.get_message(timeout=min(left, GONE_CHECK_SECONDS))
                 except redis.ConnectionError:
                     time.sleep(min(1.0, left))
+                    stale = set(open_)
                     break
                 if msg is None:
                     continue
+                i = channels[msg["channel"]]
                 head, _, data = msg["data"].decode().partition(" ")
                 seq = int(head)
-                if seq <= last:
+                if seq <= last[i] or i not in open_:
                     continue
-                if seq != last + 1:
-                    break  # a gap: fill it from the stream
-                last = seq
-                yield seq, data
+                if seq != last[i] + 1:
+                    stale = {i}  # a gap: fill it from the stream
+                    break
+                last[i] = seq
+                yield i, seq, data
                 if data == DONE:
-                    return
+                    open_.discard(i)
                 deadline = time.monotonic() + keepalive
     finally:
         pubsub.close()
-        store.reader(job_id, -1, time.time())
+        now = time.time()
+        for job_id in job_ids:
+            store.reader(job_id, -1, now)

@@ -16,6 +16,7 @@ import pytest
 import redis
 import requests
 
+from jobs.testmodel import write_test_model
 from web.launcher import free_port
 
 
@@ -90,6 +91,13 @@ def stop_parkq(proc: subprocess.Popen[str]) -> int:
     if proc.stdout is not None:
         proc.stdout.close()
     return code
+
+
+@pytest.fixture(scope="session")
+def q8_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with Q8_0 weights: the quantized kernels real models take."""
+    root = tmp_path_factory.mktemp("tiny-q8")
+    return write_test_model(root / "tiny-q8_0.gguf", seed=0, quant="q8_0")
 
 
 @pytest.fixture(scope="session")

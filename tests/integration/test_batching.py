@@ -44,12 +44,6 @@ def any_model(request, tmp_path_factory) -> Path:
     return write_test_model(root / f"tiny-{request.param}.gguf", seed=0, quant=request.param)
 
 
-@pytest.fixture(scope="module")
-def q8_model(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("batch-q8")
-    return write_test_model(root / "tiny-q8_0.gguf", seed=0, quant="q8_0")
-
-
 def _engine(model: Path, n_seq_max: int) -> LlamaEngine:
     return LlamaEngine(
         str(model), n_ctx=512, n_batch=N_BATCH, n_threads=1, n_seq_max=n_seq_max,

@@ -104,5 +104,5 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
 def test_models_and_errors_through_the_client(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == ["tiny"]
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model="tiny", messages=MESSAGES, n=2)
-    assert "n=1" in str(exc.value)
+        client.completions.create(model="tiny", prompt="x", best_of=2)
+    assert "best_of" in str(exc.value)

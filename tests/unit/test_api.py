@@ -32,7 +32,8 @@ def _error(resp) -> dict:
     ("body", "param"),
     [
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_p": 7}, "top_p"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
@@ -49,11 +50,11 @@ def test_invalid_chat_fields_get_400_naming_the_field(client: FlaskClient, body,
     assert err["param"] == param
 
 
-def test_n_above_one_says_why(client: FlaskClient) -> None:
+def test_too_many_choices_says_the_limit(client: FlaskClient) -> None:
     resp = client.post(
-        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 3}
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 17}
     )
-    assert "only n=1 is supported" in _error(resp)["message"]
+    assert "less than or equal to 16" in _error(resp)["message"]
 
 
 def test_several_prompts_are_refused_by_name(client: FlaskClient, store) -> None:

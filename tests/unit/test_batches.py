@@ -13,6 +13,7 @@ import fakeredis
 import pytest
 from flask.testing import FlaskClient
 
+from jobs.batches import BatchStore
 from jobs.worker import Worker
 from scheduler.settings import Settings
 from tests.fakes import FakeEngine, FakeVocab
@@ -153,6 +154,22 @@ def test_a_file_of_only_invalid_lines_fails_the_batch(client: FlaskClient) -> No
     assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
     assert [e["line"] for e in batch["errors"]["data"]] == [1, 2]
     assert len(_jsonl(client, batch["error_file_id"])) == 2
+
+
+def test_a_failed_batch_is_read_while_its_error_file_is_written(
+    client: FlaskClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between "failed" and its counts and files (written under a lock, maybe
+    by a process that died) a read answers with the counts it can derive."""
+    monkeypatch.setattr(BatchStore, "lock", lambda self, batch_id: False)  # held elsewhere
+    file_id = _upload(client, ['{"custom_id": "a"}']).get_json()["id"]
+    batch_id = _create(client, file_id).get_json()["id"]
+    batch = _wait_status(client, batch_id, {"failed"})
+    assert batch["request_counts"] == {"total": 1, "completed": 0, "failed": 1}
+    assert batch["error_file_id"] is None
+    monkeypatch.undo()  # the lock is free again: the next read writes the file
+    batch = client.get(f"/v1/batches/{batch_id}").get_json()
+    assert len(_jsonl(client, batch["error_file_id"])) == 1
 
 
 @pytest.mark.parametrize(
