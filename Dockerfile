@@ -25,6 +25,7 @@ COPY pyproject.toml README.md ./
 COPY scheduler ./scheduler
 COPY jobs ./jobs
 COPY web ./web
+COPY tools ./tools
 RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir --upgrade pip \
  && /opt/venv/bin/pip install --no-cache-dir ".[demo]"

@@ -26,6 +26,7 @@ __all__ = [
     "LlamaEngine",
     "Vocab",
     "build_info",
+    "reference_generate",
     "set_llama_extra_buffers",
 ]
 
@@ -87,6 +88,26 @@ def set_llama_extra_buffers(on: bool) -> None:
         return p
 
     low_level.llama_model_default_params = params
+
+
+def reference_generate(
+    model: str, prompt: str, tokens: int, n_ctx: int, n_batch: int, n_threads: int
+) -> tuple[float, float]:
+    """llama-cpp-python's own greedy loop (``Llama.generate``): what the
+    benchmarks compare parkq against. Returns (seconds to the first token,
+    seconds for the ``tokens - 1`` after it)."""
+    llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
+                          n_threads_batch=n_threads, verbose=False)  # fmt: skip
+    ids = llm.tokenize(prompt.encode())
+    t0 = first = time.perf_counter()
+    for n, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1, reset=True), start=1):
+        if n == 1:
+            first = time.perf_counter()
+        if n >= tokens:
+            break
+    rest = time.perf_counter() - first
+    llm.close()
+    return first - t0, rest
 
 
 def _load_model(path: str, vocab_only: bool, extra_buffers: bool = True) -> _internals.LlamaModel:

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from jobs.testmodel import write_test_model
-from web.launcher import embedded_redis_server, free_port
+from tools.launcher import embedded_redis_server, free_port
 
 # Every parkq process the tests start runs llama.cpp on one thread. The tiny
 # model gains nothing from a second one, and on a busy machine llama.cpp's

@@ -34,7 +34,7 @@ def _install() -> None:
 
 if __name__ == "__main__":
     _install()
-    from web.cli import main
+    from tools.cli import main
 
     sys.argv = ["parkq", "web", *sys.argv[1:]]
     main()

@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 from jobs.store import BUCKETS_MS, Store
 from scheduler.policy import priority_label
 
-__all__ = ["METRICS", "bp", "read_counter"]
+__all__ = ["METRICS", "bp"]
 
 bp = Blueprint("metrics", __name__)
 
@@ -146,16 +146,3 @@ def metrics() -> Response:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RedisCollector(current_app.extensions["parkq"].store))
     return Response(generate_latest(registry), mimetype="text/plain; version=0.0.4")
-
-
-def read_counter(base_url: str, headers: dict[str, str], name: str) -> float:
-    """A sample's value from a running parkq's /metrics (0 if absent): for clients."""
-    import requests
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = requests.get(f"{base_url}/metrics", headers=headers, timeout=30).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                return float(sample.value)
-    return 0.0

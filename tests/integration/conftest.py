@@ -17,7 +17,7 @@ import redis
 import requests
 
 from jobs.testmodel import write_test_model
-from web.launcher import free_port
+from tools.launcher import free_port
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -55,7 +55,7 @@ def start_parkq(
     model: Path, redis_url: str | None, *extra: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[str], str]:
     port = free_port()
-    argv = [sys.executable, "-m", "web.cli", "up", "--model", str(model), "--port", str(port)]
+    argv = [sys.executable, "-m", "tools.cli", "up", "--model", str(model), "--port", str(port)]
     if redis_url:
         argv += ["--redis-url", redis_url]
     elif "--data-dir" not in extra and "--ephemeral" not in extra:

@@ -19,7 +19,7 @@ import requests
 
 from tests.integration.conftest import TEST_ENV, Server, start_parkq, stop_parkq
 from tests.integration.helpers import job, wait_until
-from web.metrics import read_counter
+from tools.client import read_counter
 
 MESSAGES = [{"role": "user", "content": "Tell me about the park."}]
 
@@ -192,7 +192,7 @@ def folder(tmp_path: Path) -> Path:
 
 def _parkq_batch(*args: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "web.cli", "batch", *map(str, args), "--no-progress"],
+        [sys.executable, "-m", "tools.cli", "batch", *map(str, args), "--no-progress"],
         capture_output=True,
         text=True,
         timeout=600,

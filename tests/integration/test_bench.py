@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from web.bench.report import MODES, OPTIONAL_MODES
+from tools.bench.report import MODES, OPTIONAL_MODES
 
 
 @pytest.mark.timeout(300)
@@ -19,7 +19,7 @@ def test_quick_bench_writes_a_complete_report(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "web.cli",
+            "tools.cli",
             "bench",
             "--quick",
             "--out",

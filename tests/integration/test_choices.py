@@ -22,7 +22,7 @@ import requests
 from tests.integration.conftest import Server
 from tests.integration.helpers import job, submit_stream, wait_until
 from tests.integration.test_workers import Cluster, running_cluster
-from web.metrics import read_counter
+from tools.client import read_counter
 
 MESSAGES = [{"role": "user", "content": "Name three things found in a park."}]
 #: A prompt of several prefill chunks (PARKQ_N_BATCH is 16 in the tests).

@@ -14,7 +14,7 @@ import requests
 from tests.integration.conftest import start_parkq, stop_parkq
 from tests.integration.helpers import job, read_events, submit_stream, wait_until
 
-PARKQ = [sys.executable, "-m", "web.cli"]
+PARKQ = [sys.executable, "-m", "tools.cli"]
 
 
 @pytest.mark.parametrize("sub", [[], ["up"], ["web"], ["worker"], ["make-test-model"], ["demo"]])

@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.integration.helpers import wait_until
 from tests.integration.test_restarts import _children
 
-CLI = [sys.executable, "-m", "web.cli"]
+CLI = [sys.executable, "-m", "tools.cli"]
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -50,7 +50,7 @@ def _kill_worker_and_wait(proc: subprocess.Popen[str], seen: list[str]) -> tuple
     """SIGKILL the demo's worker once the stack is up; its exit status, stderr, kill time."""
     try:
         wait_until(lambda: any("parkq is up" in line for line in seen), timeout=300)
-        workers = [pid for pid, cmd in _children(proc.pid) if "web.cli worker" in cmd]
+        workers = [pid for pid, cmd in _children(proc.pid) if "tools.cli worker" in cmd]
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)  # what a segfault or the OOM killer does
         t0 = time.monotonic()

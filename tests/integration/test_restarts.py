@@ -30,7 +30,7 @@ from tests.integration.helpers import (
 from tests.integration.test_parking import _long
 from tests.integration.test_workers import running_cluster
 
-CLI = [sys.executable, "-m", "web.cli"]
+CLI = [sys.executable, "-m", "tools.cli"]
 
 
 def _children(pid: int) -> list[tuple[int, str]]:

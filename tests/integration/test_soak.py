@@ -18,7 +18,7 @@ def test_a_short_soak_loses_nothing(tiny_model: Path, tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "web.cli",
+            "tools.cli",
             "soak",
             "--duration",
             "20s",
@@ -53,7 +53,7 @@ def test_a_short_soak_loses_nothing(tiny_model: Path, tmp_path: Path) -> None:
 def test_a_soak_that_exercised_nothing_says_so(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     run = subprocess.run(
-        [sys.executable, "-m", "web.cli", "soak", "--duration", "3s", "--model",
+        [sys.executable, "-m", "tools.cli", "soak", "--duration", "3s", "--model",
          str(tiny_model), "--tiny", "--rate", "0.01", "--batch-clients", "0", "--out", str(out)],
         capture_output=True,
         text=True,

@@ -25,9 +25,9 @@ from tests.integration.helpers import (
     submit_stream,
     wait_until,
 )
-from web.launcher import free_port
+from tools.launcher import free_port
 
-CLI = [sys.executable, "-m", "web.cli"]
+CLI = [sys.executable, "-m", "tools.cli"]
 
 
 class Cluster:

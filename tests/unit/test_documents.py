@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from web.documents import windows
-from web.soak import parse_duration
+from tools.documents import windows
+from tools.soak import parse_duration
 
 
 @given(

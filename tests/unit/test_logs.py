@@ -7,7 +7,7 @@ import json
 import logging
 
 from scheduler.settings import Settings
-from web.logs import configure_logging
+from tools.logs import configure_logging
 
 
 def test_json_log_lines_carry_the_job_id(monkeypatch) -> None:
@@ -27,7 +27,7 @@ def test_json_log_lines_carry_the_job_id(monkeypatch) -> None:
 
 
 def test_gunicorns_own_lines_follow_the_log_format(monkeypatch) -> None:
-    from web.server import _Gunicorn
+    from tools.serve import _Gunicorn
 
     stream = io.StringIO()
     monkeypatch.setattr("sys.stderr", stream)

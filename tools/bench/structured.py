@@ -1,6 +1,6 @@
 """Structured outputs: what the grammar costs per token, and on resume.
 
-    python -m benchmarks.structured [--model PATH] [--tokens 200] [--threads N]
+    python -m tools.bench.structured [--model PATH] [--tokens 200] [--threads N]
 
 On the model (default: the demo model), one greedy completion constrained by
 a JSON schema and the same number of tokens unconstrained (``ignore_eos``),
@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from benchmarks import model_and_chat_format, write_results
 from jobs.constraints import grammar_for_json_schema
 from jobs.engine import LlamaEngine
+from tools.bench import model_and_chat_format, write_results
 
 SCHEMA = {
     "type": "object",

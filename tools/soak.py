@@ -23,7 +23,7 @@ from typing import Any
 
 import requests
 
-from web.metrics import read_counter
+from tools.client import events, percentile, read_counter
 
 __all__ = ["SoakPlan", "SoakReport", "parse_duration", "run_soak"]
 
@@ -195,7 +195,8 @@ class _Run:
                 self.error(f"job {job_id}: more than 50 connections to read one stream")
                 return
             try:
-                for seq, data in _sse(resp):
+                for event_id, data in events(resp):
+                    seq = int(event_id)
                     if seq != last + 1:
                         kind = "duplicate" if seq <= last else "gap"
                         self.error(f"job {job_id}: {kind}: event {seq} after {last}")
@@ -328,27 +329,14 @@ class _Run:
                 self.error(f"job {job_id}: lost (state {state!r} after the run)")
 
 
-def _sse(resp: requests.Response) -> Any:
-    """(id, data) pairs of an SSE response."""
-    seq = None
-    for line in resp.iter_lines(decode_unicode=True):
-        if line.startswith("id: "):
-            seq = int(line[4:])
-        elif line.startswith("data: ") and seq is not None:
-            yield seq, line[6:]
-
-
 def _worker_rss(base: str, headers: dict[str, str]) -> int | None:
     state = requests.get(f"{base}/dashboard/state", headers=headers, timeout=30).json()
     sizes = [w.get("rss_bytes") for w in state.get("workers", [])]
     return sum(sizes) if sizes and None not in sizes else None
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
 
 
 def run_soak(
@@ -387,8 +375,8 @@ def run_soak(
     report.worker_rss_end = _worker_rss(base_url, headers)
     for priority, values in run.ttft.items():
         report.ttft_ms[priority] = {
-            "p50": _percentile(values, 0.5),
-            "p95": _percentile(values, 0.95),
+            "p50": _rounded(percentile(values, 50)),
+            "p95": _rounded(percentile(values, 95)),
             "n": len(values),
         }
     return report

@@ -25,6 +25,8 @@ from typing import Any
 
 import requests
 
+from tools.client import read_counter, retrying_session
+
 __all__ = [
     "SUFFIXES",
     "Client",
@@ -97,33 +99,20 @@ class Client:
     def __init__(self, base_url: str, api_key: str | None = None, retries: int = 8) -> None:
         self.base = base_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.retries = retries
+        self.http = retrying_session(retries)
         self._context: int | None = None
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 3600) -> dict[str, Any]:
-        delay = 0.5
-        for attempt in range(self.retries + 1):
-            try:
-                resp = requests.post(
-                    self.base + path, json=body, headers=self.headers, timeout=(10, timeout)
-                )
-            except requests.ConnectionError as exc:
-                if attempt == self.retries:
-                    raise DocumentError(f"cannot reach {self.base}: {exc}") from None
-                time.sleep(delay)
-                delay = min(10.0, delay * 2)
-                continue
-            if resp.status_code == 429 or resp.status_code >= 500:
-                if attempt == self.retries:
-                    raise DocumentError(f"{path} answered {resp.status_code}: {_message(resp)}")
-                time.sleep(float(resp.headers.get("Retry-After", delay)))
-                delay = min(10.0, delay * 2)
-                continue
-            if resp.status_code != 200:
-                raise DocumentError(f"{path} answered {resp.status_code}: {_message(resp)}")
-            result: dict[str, Any] = resp.json()
-            return result
-        raise AssertionError("unreachable")
+        try:
+            resp = self.http.post(
+                self.base + path, json=body, headers=self.headers, timeout=(10, timeout)
+            )
+        except requests.ConnectionError as exc:
+            raise DocumentError(f"cannot reach {self.base}: {exc}") from None
+        if resp.status_code != 200:
+            raise DocumentError(f"{path} answered {resp.status_code}: {_message(resp)}")
+        result: dict[str, Any] = resp.json()
+        return result
 
     def tokenize(self, text: str) -> list[int]:
         got = self.post("/v1/tokenize", {"text": text})
@@ -165,8 +154,6 @@ class Client:
 
     def counter(self, name: str) -> float | None:
         """A counter from /metrics (None when it cannot be read)."""
-        from web.metrics import read_counter
-
         try:
             return read_counter(self.base, self.headers, name)
         except (requests.RequestException, ValueError):

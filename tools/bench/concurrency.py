@@ -1,14 +1,14 @@
 """Many people at once: k simultaneous interactive streams, for each PARKQ_MAX_SEQS,
 beside llama.cpp's own server.
 
-    python -m benchmarks.concurrency [--model PATH] [--seqs 1,8] [--clients 1,2,4,8]
+    python -m tools.bench.concurrency [--model PATH] [--seqs 1,8] [--clients 1,2,4,8]
                                      [--tokens 64] [--threads N] [--peer-server PATH]
 
 For each sequence count, starts `parkq up` (embedded Redis, web, one worker)
 on the model (default: the demo model), warms it, then for each client count
 sends that many greedy completions at the same moment and records when each
 token arrives. Then the same bursts against ``llama-server`` (``--peer-server``,
-default the one ``python -m web.bench.llama_server build`` cached; ``none``
+default the one ``python -m tools.bench.llama_server build`` cached; ``none``
 to skip) with ``-np`` equal to the largest sequence count, the same threads,
 context per sequence and kernel path. Prints, per cell: TTFT p50 / p95 / max,
 inter-token p95, and the aggregate tokens per second (all tokens over the wall
@@ -24,15 +24,11 @@ import threading
 import time
 from typing import Any
 
-from benchmarks import write_results
 from scheduler.settings import load_settings
-from web.bench.llama_server import llama_server_path, running_llama_server
-from web.bench.workload import Request, stream
-
-
-def _pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+from tools.bench import write_results
+from tools.bench.llama_server import llama_server_path, running_llama_server
+from tools.bench.workload import Request, stream
+from tools.client import percentile
 
 
 def _burst(base_url: str, clients: int, tokens: int) -> dict[str, Any]:
@@ -60,9 +56,9 @@ def _burst(base_url: str, clients: int, tokens: int) -> dict[str, Any]:
     return {
         "clients": clients,
         "ttft_ms_p50": round(statistics.median(ttft), 1),
-        "ttft_ms_p95": round(_pct(ttft, 95), 1),
+        "ttft_ms_p95": round(percentile(ttft, 95) or 0.0, 1),
         "ttft_ms_max": round(max(ttft), 1),
-        "inter_token_ms_p95": round(_pct(gaps, 95), 1) if gaps else None,
+        "inter_token_ms_p95": round(percentile(gaps, 95) or 0.0, 1) if gaps else None,
         "aggregate_tok_s": round(n / wall, 1),
         "tokens": n,
     }
@@ -76,7 +72,7 @@ def _peer_binary(given: str | None) -> str | None:
     cached = llama_server_path()
     if cached.exists():
         return str(cached)
-    print(f"no llama-server at {cached} (python -m web.bench.llama_server build): no peer")
+    print(f"no llama-server at {cached} (python -m tools.bench.llama_server build): no peer")
     return None
 
 
@@ -99,7 +95,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from jobs.kernels import worker_kernels
-    from web.launcher import Stack
+    from tools.launcher import Stack
 
     clients_list = [int(x) for x in args.clients.split(",")]
     seqs_list = [int(x) for x in args.seqs.split(",")]

@@ -1,6 +1,6 @@
 """Long greedy completion: the whole parkq pipeline versus bare llama-cpp-python.
 
-    python -m benchmarks.throughput [--model PATH] [--tokens 512] [--out FILE.json]
+    python -m tools.bench.throughput [--model PATH] [--tokens 512] [--out FILE.json]
 
 Without --model it uses the demo model. Prints a table and writes JSON.
 """
@@ -12,58 +12,24 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
-import requests
-
-from benchmarks import model_and_chat_format, write_results
+from jobs.engine import LlamaEngine, reference_generate
+from tools.bench import greedy_decode, model_and_chat_format, write_results
+from tools.bench.workload import Request, stream
 
 PROMPT = "The history of the printing press"
 
 
-def bare_llama(model: str, n_ctx: int, tokens: int, chat_format: str | None) -> dict[str, float]:
+def bare_llama(model: str, n_ctx: int, tokens: int) -> dict[str, float]:
     """llama-cpp-python's own generation loop: ``Llama.generate``, greedy."""
-    from llama_cpp import Llama
-
     threads = len(os.sched_getaffinity(0))  # the same thread count parkq's engine uses
-    llm = Llama(
-        model_path=model,
-        n_ctx=n_ctx,
-        n_batch=256,
-        n_threads=threads,
-        n_threads_batch=threads,
-        verbose=False,
-    )
-    ids = llm.tokenize(PROMPT.encode())
-    t0 = first = time.perf_counter()
-    for n, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1, reset=True), start=1):
-        if n == 1:
-            first = time.perf_counter()  # exclude the prompt, as the pipeline figure does
-        if n >= tokens:
-            break
-    dt = time.perf_counter() - first
-    llm.close()
-    return {
-        "tokens": tokens,
-        "ttft_s": first - t0,
-        "seconds": dt,
-        "tokens_per_s": (tokens - 1) / dt,
-    }
+    ttft, dt = reference_generate(model, PROMPT, tokens, n_ctx, 256, threads)
+    return {"tokens": tokens, "ttft_s": ttft, "seconds": dt, "tokens_per_s": (tokens - 1) / dt}
 
 
 def bare_engine(model: str, n_ctx: int, tokens: int) -> dict[str, float]:
     """parkq's engine alone (no Redis, no HTTP): the decode loop the worker runs."""
-    from jobs.engine import LlamaEngine
-
     engine = LlamaEngine(model, n_ctx=n_ctx, n_batch=256)
-    ids = engine.tokenize(PROMPT)
-    logits = engine.eval(ids, 0)
-    pos = len(ids)
-    t0 = time.perf_counter()
-    for _ in range(tokens):
-        tok = int(np.argmax(logits))
-        logits = engine.eval([tok], pos)
-        pos += 1
-    dt = time.perf_counter() - t0
+    dt = greedy_decode(engine, PROMPT, tokens)
     engine.close()
     return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt}
 
@@ -71,37 +37,23 @@ def bare_engine(model: str, n_ctx: int, tokens: int) -> dict[str, float]:
 def pipeline(model: str, n_ctx: int, tokens: int, chat_format: str | None) -> dict[str, float]:
     """`parkq up` (embedded Redis, web, one worker), one streamed completion over HTTP."""
     from scheduler.settings import load_settings
-    from web.launcher import Stack
+    from tools.launcher import Stack
 
     settings = load_settings(
         model=model, port=0, n_ctx=n_ctx, chat_format=chat_format, log_level="WARNING"
     )
-    body = {
-        "prompt": PROMPT,
-        "max_tokens": tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
     with Stack(settings) as stack:
-        t0 = time.perf_counter()
-        first = last = None
-        n = 0
-        url = stack.base_url + "/v1/completions"
-        with requests.post(url, json=body, stream=True, timeout=3600) as r:
-            for line in r.iter_lines():
-                if line.startswith(b"data: {"):
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    n += 1
-    assert first is not None and last is not None
+        req = Request("long", time.monotonic())
+        stream(stack.base_url + "/v1/completions", body, req)
+    assert req.first is not None and req.tokens
+    seconds = req.tokens[-1] - req.first
     return {
         "tokens": tokens,
-        "events": n,
-        "ttft_s": first - t0,
-        "seconds": last - first,
-        "tokens_per_s": (tokens - 1) / (last - first),
+        "events": len(req.tokens),
+        "ttft_s": req.first - req.sent,
+        "seconds": seconds,
+        "tokens_per_s": (tokens - 1) / seconds,
     }
 
 
@@ -115,7 +67,7 @@ def main() -> None:
     model, chat_format = model_and_chat_format(args.model)
     results = {
         "model": Path(model).name,
-        "llama_cpp_python": bare_llama(model, args.n_ctx, args.tokens, chat_format),
+        "llama_cpp_python": bare_llama(model, args.n_ctx, args.tokens),
         "parkq_engine": bare_engine(model, args.n_ctx, args.tokens),
         "parkq_pipeline": pipeline(model, args.n_ctx, args.tokens, chat_format),
     }

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from scheduler.settings import Settings, cache_root, data_root, load_settings
-from web.logs import configure_logging
+from tools.logs import configure_logging
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
     running at a stop (or a crash) resume after the next start, and clients
     continue their streams with Last-Event-ID.
     """
-    from web.launcher import Stack
+    from tools.launcher import Stack
 
     settings = load_settings(
         model=model,
@@ -232,7 +232,7 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
 @_model_opt
 def web(host: str | None, port: int | None, redis_url: str | None, model: str | None) -> None:
     """Run the web server alone (it needs Redis and, for tokenizing, the model file)."""
-    from web.server import serve
+    from tools.serve import serve
 
     settings = _resolve_model(load_settings(host=host, port=port, redis_url=redis_url, model=model))
     configure_logging(settings.log_level, settings.log_format)
@@ -350,8 +350,8 @@ def demo(model: str | None, prompt: str, max_tokens: int | None, question: str) 
     """Start parkq; stream a long job; a short question parks it; it resumes."""
     import threading
 
-    from web.demo import DemoFailed, run_demo
-    from web.launcher import Stack, exit_status
+    from tools.demo import DemoFailed, run_demo
+    from tools.launcher import Stack, exit_status
 
     settings = _resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
     configure_logging(settings.log_level, settings.log_format)
@@ -410,7 +410,7 @@ def demo(model: str | None, prompt: str, max_tokens: int | None, question: str) 
 @click.option(
     "--peer-server",
     help="llama.cpp's llama-server binary, run as one more mode with as many slots as "
-    "PARKQ_MAX_SEQS [the one `python -m web.bench.llama_server build` cached, if any; "
+    "PARKQ_MAX_SEQS [the one `python -m tools.bench.llama_server build` cached, if any; "
     "'none' skips it].",
 )
 def bench(model: str | None, quick: bool, duration: float | None, rate: float | None,
@@ -422,8 +422,8 @@ def bench(model: str | None, quick: bool, duration: float | None, rate: float | 
 
     from jobs.engine import Vocab
     from jobs.testmodel import write_test_model
-    from web.bench.report import run_bench
-    from web.bench.workload import Workload
+    from tools.bench.report import run_bench
+    from tools.bench.workload import Workload
 
     if quick and model is None:
         model = str(write_test_model(Path(tempfile.mkdtemp()) / "tiny.gguf"))
@@ -440,7 +440,7 @@ def bench(model: str | None, quick: bool, duration: float | None, rate: float | 
     vocab = Vocab(settings.model or "", settings.chat_format)
     eos = sorted({t for t in (vocab.eos, *_eog_ids(vocab)) if t >= 0})
     if peer_server is None:
-        from web.bench.llama_server import llama_server_path
+        from tools.bench.llama_server import llama_server_path
 
         cached = llama_server_path(settings.cache_dir)
         peer_server = str(cached) if cached.exists() else None
@@ -481,7 +481,7 @@ def batch(paths: tuple[Path, ...], prompt: str | None, task: str | None, out: Pa
     are combined into one per document. Results already in --out are kept and
     their documents skipped. Exits 1 and lists the failures if any document failed.
     """
-    from web.documents import SUMMARIZE, Client, DocumentError, Task, collect, run_batch
+    from tools.documents import SUMMARIZE, Client, DocumentError, Task, collect, run_batch
 
     if prompt and task:
         raise click.UsageError("give --prompt or --task, not both")
@@ -517,7 +517,7 @@ def batch(paths: tuple[Path, ...], prompt: str | None, task: str | None, out: Pa
     if url:
         summary = go(url, api_key)
     else:
-        from web.launcher import Stack
+        from tools.launcher import Stack
 
         settings = _resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
         configure_logging(settings.log_level, settings.log_format)
@@ -588,7 +588,7 @@ def soak(duration: str, url: str | None, api_key: str | None, model: str | None,
     import json
     import tempfile
 
-    from web.soak import SoakPlan, parse_duration, run_soak
+    from tools.soak import SoakPlan, parse_duration, run_soak
 
     try:
         seconds = parse_duration(duration)
@@ -606,7 +606,7 @@ def soak(duration: str, url: str | None, api_key: str | None, model: str | None,
     if url:
         report = run_soak(url.rstrip("/"), plan, api_key, click.echo)
     else:
-        from web.launcher import Stack
+        from tools.launcher import Stack
 
         if tiny and model is None:
             from jobs.testmodel import write_test_model

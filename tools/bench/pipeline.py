@@ -1,7 +1,7 @@
 """One long job through the whole pipeline, beside the bare decode loop.
 
-    python -m benchmarks.pipeline [--model PATH] [--tokens 2000] [--runs 3] [--threads N]
-    ../shared/tools/under-load -- .venv/bin/python -m benchmarks.pipeline   # on a busy machine
+    python -m tools.bench.pipeline [--model PATH] [--tokens 2000] [--runs 3] [--threads N]
+    ../shared/tools/under-load -- .venv/bin/python -m tools.bench.pipeline   # on a busy machine
 
 Starts `parkq up` (embedded Redis, web, one worker) on the model (default: the
 tiny test model), streams ``--tokens`` greedy tokens ``--runs`` times and
@@ -18,24 +18,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import requests
-
-from benchmarks import write_results
+from jobs.engine import LlamaEngine
 from scheduler.settings import load_settings
+from tools.bench import greedy_decode, write_results
+from tools.bench.workload import Request, stream
 
 
 def _pipeline(base_url: str, tokens: int) -> dict[str, float]:
-    body = {"prompt": "hello", "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}  # fmt: skip
-    t0 = time.monotonic()
-    first = None
-    with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=900) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith(b"data: {"):
-                first = first or time.monotonic()
-    wall = time.monotonic() - t0
+    body = {"prompt": "hello", "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    req = Request("long", time.monotonic())
+    stream(f"{base_url}/v1/completions", body, req)
+    t0, first = req.sent, req.first
+    wall = (req.end or t0) - t0
     return {
         "wall_s": round(wall, 3),
         "tok_s": round(tokens / wall),
@@ -44,16 +38,8 @@ def _pipeline(base_url: str, tokens: int) -> dict[str, float]:
 
 
 def _bare(model: str, tokens: int, threads: int | None) -> float:
-    from jobs.engine import LlamaEngine
-
     engine = LlamaEngine(model, n_ctx=tokens + 64, n_batch=16, n_threads=threads)
-    ids = engine.tokenize("hello")
-    logits, pos = engine.eval(ids, 0), len(ids)
-    t0 = time.perf_counter()
-    for _ in range(tokens):
-        logits = engine.eval([int(np.argmax(logits))], pos)
-        pos += 1
-    return tokens / (time.perf_counter() - t0)
+    return tokens / greedy_decode(engine, "hello", tokens)
 
 
 def main() -> None:
@@ -66,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from jobs.testmodel import write_test_model
-    from web.launcher import Stack
+    from tools.launcher import Stack
 
     model = args.model or str(write_test_model(Path(tempfile.mkdtemp()) / "tiny.gguf"))
     overrides: dict[str, Any] = {"model": model, "port": 0, "log_level": "WARNING",

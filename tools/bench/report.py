@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.settings import Settings
-from web.bench import modes
-from web.bench.workload import Workload
+from tools.bench import modes
+from tools.bench.workload import Workload
 
 __all__ = ["MODES", "OPTIONAL_MODES", "run_bench"]
 

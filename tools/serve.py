@@ -8,7 +8,7 @@ from gunicorn import glogging
 from gunicorn.app.base import BaseApplication
 
 from scheduler.settings import Settings
-from web.logs import formatter
+from tools.logs import formatter
 
 __all__ = ["serve"]
 

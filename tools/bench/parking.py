@@ -1,6 +1,6 @@
 """Park and resume latency, checkpoint size, and short-request TTFT under load.
 
-    python -m benchmarks.parking [--model PATH] [--out FILE.json]
+    python -m tools.bench.parking [--model PATH] [--out FILE.json]
 
 Part 1 (in process, real llama.cpp and a real Redis): a generation with about
 500 and 1,500 tokens of context is parked and resumed 20 times each:
@@ -25,17 +25,21 @@ import numpy as np
 import redis
 import requests
 
-from benchmarks import model_and_chat_format, write_results
 from jobs.engine import LlamaEngine
 from jobs.generation import Generation, GenerationRequest
 from jobs.sampling import SamplingParams
 from jobs.store import Store
 from scheduler.settings import load_settings
-from web.launcher import Stack, embedded_redis_server, free_port
+from tools.bench import model_and_chat_format, write_results
+from tools.bench.workload import Request, stream
+from tools.client import events, percentile
+from tools.launcher import Stack, embedded_redis_server, free_port
 
 
-def _pct(xs: list[float], p: float) -> float:
-    return float(np.percentile(xs, p))
+def _p(values: list[float], p: float) -> float:
+    got = percentile(values, p)
+    assert got is not None, "no samples"
+    return got
 
 
 def park_resume(
@@ -93,10 +97,10 @@ def park_resume(
                 {
                     "context_tokens": gen.n_past,
                     "checkpoint_bytes": size,
-                    "park_ms_p50": _pct(parks, 50) * 1000,
-                    "park_ms_p95": _pct(parks, 95) * 1000,
-                    "resume_ms_p50": _pct(resumes, 50) * 1000,
-                    "resume_ms_p95": _pct(resumes, 95) * 1000,
+                    "park_ms_p50": _p(parks, 50) * 1000,
+                    "park_ms_p95": _p(parks, 95) * 1000,
+                    "resume_ms_p50": _p(resumes, 50) * 1000,
+                    "resume_ms_p95": _p(resumes, 95) * 1000,
                 }
             )
         engine.close()
@@ -108,17 +112,11 @@ def park_resume(
 
 def _ttft(base: str, body: dict[str, Any]) -> float:
     """Time to the first token; reads the stream to its end, so the job is over."""
-    t0 = time.monotonic()
-    first = None
-    with requests.post(
-        f"{base}/v1/completions", json={**body, "stream": True}, stream=True, timeout=600
-    ) as r:
-        for line in r.iter_lines():
-            if first is None and line.startswith(b"data: {"):
-                first = time.monotonic() - t0
-    if first is None:
+    req = Request("short", time.monotonic())
+    stream(f"{base}/v1/completions", body, req)
+    if req.ttft is None:
         raise RuntimeError("no token")
-    return first
+    return req.ttft
 
 
 def ttft_under_load(model: str, chat_format: str | None, samples: int) -> dict[str, Any]:
@@ -141,9 +139,9 @@ def ttft_under_load(model: str, chat_format: str | None, samples: int) -> dict[s
                 f"{base}/v1/completions", json={**long, "stream": True}, stream=True, timeout=600
             )
             job_id = r.headers["X-Job-Id"]
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith(b"data: {"):
+            lines = events(r)
+            for _, data in lines:
+                if data.startswith("{"):
                     break
             time.sleep(0.5)
             busy.append(_ttft(base, short))
@@ -156,9 +154,9 @@ def ttft_under_load(model: str, chat_format: str | None, samples: int) -> dict[s
             ]
     return {
         "idle_ms_p50": statistics.median(idle) * 1000,
-        "idle_ms_p95": _pct(idle, 95) * 1000,
+        "idle_ms_p95": _p(idle, 95) * 1000,
         "busy_ms_p50": statistics.median(busy) * 1000,
-        "busy_ms_p95": _pct(busy, 95) * 1000,
+        "busy_ms_p95": _p(busy, 95) * 1000,
         "samples": samples,
         "preemptions": preemptions,
     }

@@ -19,6 +19,8 @@ from typing import Any
 
 import requests
 
+from tools.client import DONE, events
+
 __all__ = ["DemoFailed", "long_job_tokens", "run_demo"]
 
 DIM, BOLD, RESET = "\033[2m", "\033[1m", "\033[0m"
@@ -44,14 +46,14 @@ def _stream(base_url: str, body: dict[str, Any]) -> Iterator[tuple[str, dict[str
             raise DemoFailed(f"the server answered {r.status_code}: {r.text[:200]}")
         job_id = r.headers["X-Job-Id"]
         done = False
-        for line in r.iter_lines(decode_unicode=True):
-            if line == "data: [DONE]":
+        for _, data in events(r):
+            if data == DONE:
                 done = True
-            elif line.startswith("data: "):
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise DemoFailed(f"job {job_id} failed: {chunk['error']['message']}")
-                yield job_id, chunk
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise DemoFailed(f"job {job_id} failed: {chunk['error']['message']}")
+            yield job_id, chunk
         if not done:
             raise DemoFailed(f"the stream of job {job_id} ended before [DONE]")
 

@@ -12,12 +12,14 @@ import numpy as np
 import redis
 import requests
 
+from jobs.engine import reference_generate, set_llama_extra_buffers
 from jobs.kernels import peer_server_command, worker_kernels
 from jobs.store import Store
 from scheduler.settings import Settings
-from web.bench.llama_server import serving
-from web.bench.workload import SHORT_BODY, Observed, Request, Workload, play, stream
-from web.launcher import Stack, free_port
+from tools.bench.llama_server import serving
+from tools.bench.workload import SHORT_BODY, Observed, Request, Workload, play, stream
+from tools.client import percentile
+from tools.launcher import Stack, free_port
 
 __all__ = [
     "bare_decode_rate",
@@ -29,13 +31,14 @@ __all__ = [
 ]
 
 
-def _pct(values: list[float], p: float) -> float | None:
-    return float(np.percentile(values, p)) if values else None
-
-
 def _ms(values: list[float]) -> dict[str, float | None]:
     ms = [v * 1000 for v in values]
-    return {"p50": _pct(ms, 50), "p95": _pct(ms, 95), "p99": _pct(ms, 99), "n": len(ms)}
+    return {
+        "p50": percentile(ms, 50),
+        "p95": percentile(ms, 95),
+        "p99": percentile(ms, 99),
+        "n": len(ms),
+    }
 
 
 def summarize(obs: Observed) -> dict[str, Any]:
@@ -95,7 +98,7 @@ def run_parkq(settings: Settings, workload: Workload) -> tuple[dict[str, Any], d
 
 
 def _quantiles(values: list[float]) -> dict[str, float | None]:
-    return {"p50": _pct(values, 50), "p95": _pct(values, 95), "n": len(values)}
+    return {"p50": percentile(values, 50), "p95": percentile(values, 95), "n": len(values)}
 
 
 @contextmanager
@@ -128,7 +131,7 @@ def run_llama_server(
     """The workload against llama.cpp's own server (continuous batching, no
     priorities) with as many slots as parkq's worker has sequences, the same
     threads, context per sequence and kernel path."""
-    from web.bench.llama_server import running_llama_server
+    from tools.bench.llama_server import running_llama_server
 
     extra = worker_kernels(settings)
     threads = settings.n_threads or len(os.sched_getaffinity(0))
@@ -156,26 +159,11 @@ def idle_ttft(settings: Settings, workload: Workload, samples: int) -> dict[str,
 
 def bare_decode_rate(settings: Settings, tokens: int) -> float:
     """llama-cpp-python's own generation loop on the same model: tokens/s."""
-    from llama_cpp import Llama
-
-    from jobs.engine import set_llama_extra_buffers
-
-    extra = worker_kernels(settings)
-    set_llama_extra_buffers(extra.extra_buffers)
+    set_llama_extra_buffers(worker_kernels(settings).extra_buffers)
     threads = settings.n_threads or len(os.sched_getaffinity(0))
-    llm = Llama(model_path=settings.model or "", n_ctx=settings.n_ctx, n_batch=settings.n_batch,
-                n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip
-    ids = llm.tokenize(b"The history of the printing press")
-    first = time.perf_counter()
-    n = 0
-    for n, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1, reset=True), start=1):
-        if n == 1:
-            first = time.perf_counter()
-        if n >= tokens:
-            break
-    rate = (n - 1) / (time.perf_counter() - first)
-    llm.close()
-    return rate
+    model, prompt = settings.model or "", "The history of the printing press"
+    _, rest = reference_generate(model, prompt, tokens, settings.n_ctx, settings.n_batch, threads)
+    return (tokens - 1) / rest
 
 
 def _warm(base: str) -> None:

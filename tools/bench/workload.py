@@ -15,6 +15,8 @@ from typing import Any
 
 import requests
 
+from tools.client import events
+
 __all__ = ["SHORT_BODY", "Observed", "Request", "Workload", "play", "stream"]
 
 #: The short interactive request (max_tokens comes from the workload).
@@ -63,6 +65,7 @@ class Request:
     end: float | None = None
     tokens: list[float] = field(default_factory=list)  # arrival time of each token
     job_id: str | None = None
+    text: str = ""
 
     @property
     def ttft(self) -> float | None:
@@ -82,20 +85,23 @@ class Observed:
 def stream(
     url: str, body: dict[str, Any], req: Request, stop: threading.Event | None = None
 ) -> None:
-    """Stream one completion, recording when each token arrives."""
+    """Stream one completion or chat completion, recording when each piece of
+    text arrives, and the text."""
     with requests.post(url, json={**body, "stream": True}, stream=True, timeout=3600) as r:
         r.raise_for_status()
         req.job_id = r.headers.get("X-Job-Id")
-        for line in r.iter_lines():
+        for _, data in events(r):
             if stop is not None and stop.is_set():
                 break
-            if not line.startswith(b"data: {"):
+            if not data.startswith("{"):
                 continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
+            choice = (json.loads(data).get("choices") or [{}])[0]
+            piece = choice.get("text") or choice.get("delta", {}).get("content")
+            if piece:
                 now = time.monotonic()
                 req.first = req.first or now
                 req.tokens.append(now)
+                req.text += piece
     req.end = time.monotonic()
 
 

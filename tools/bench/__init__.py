@@ -1,0 +1,45 @@
+"""Every benchmark: `parkq bench` (the mixed workload against its peers:
+workload.py, modes.py, report.py, llama_server.py) and the scripts that print
+their figures and write JSON (``python -m tools.bench.<name>``: pipeline,
+parking, throughput, conversation, concurrency, structured). Not tests."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from jobs.engine import LlamaEngine
+
+
+def model_and_chat_format(path: str | None) -> tuple[str, str | None]:
+    """The model to measure: ``path``, or the demo model (assembled once)."""
+    if path is not None:
+        return path, None
+    from jobs.demo_model import DEMO_CHAT_FORMAT, assemble_demo_model, demo_model_target
+
+    target = demo_model_target(None)
+    return str(target if target.exists() else assemble_demo_model(target)), DEMO_CHAT_FORMAT
+
+
+def greedy_decode(engine: LlamaEngine, prompt: str, tokens: int) -> float:
+    """Seconds for parkq's engine alone (no Redis, no HTTP) to decode ``tokens``
+    greedy tokens after ``prompt``: the decode loop the worker runs."""
+    ids = engine.tokenize(prompt)
+    logits, pos = engine.eval(ids, 0), len(ids)
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        logits = engine.eval([int(np.argmax(logits))], pos)
+        pos += 1
+    return time.perf_counter() - t0
+
+
+def write_results(path: str, results: dict[str, Any]) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
