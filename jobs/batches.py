@@ -21,23 +21,19 @@ from typing import Any
 import redis
 
 from jobs.store import Store
+from jobs.telemetry import as_text
 from scheduler.policy import PRIORITY_LEVELS
-from scheduler.state import JobState
+from scheduler.state import LIVE, JobState
 
 __all__ = ["BATCH_LEVEL", "BatchStore", "Counts", "Item", "new_id"]
 
 BATCH_LEVEL = PRIORITY_LEVELS["batch"]
 
 #: States of a job that still holds a place in its batch's window.
-LIVE = (JobState.QUEUED, JobState.RUNNING, JobState.PARKING, JobState.PARKED)
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @dataclass(frozen=True)
@@ -118,14 +114,14 @@ class BatchStore:
         raw = self.r.hgetall(self.keys.file(file_id))
         if not raw:
             return None
-        return self._file_object({_text(a): _text(b) for a, b in raw.items()})
+        return self._file_object({as_text(a): as_text(b) for a, b in raw.items()})
 
     def file_content(self, file_id: str) -> bytes | None:
         data = self.r.get(self.keys.file_content(file_id))
         return None if data is None else bytes(data)
 
     def list_files(self, purpose: str | None = None) -> list[dict[str, Any]]:
-        ids = [_text(x) for x in self.r.zrevrange(self.keys.files, 0, 9999)]
+        ids = [as_text(x) for x in self.r.zrevrange(self.keys.files, 0, 9999)]
         found = {i: self.get_file(i) for i in ids}
         gone = [i for i, f in found.items() if f is None]
         if gone:  # expired batch outputs: forget their ids too
@@ -186,7 +182,7 @@ class BatchStore:
             while True:
                 try:
                     p.watch(key)
-                    if _text(p.hget(key, "status") or b"") != expected:
+                    if as_text(p.hget(key, "status") or b"") != expected:
                         p.unwatch()
                         return False
                     p.multi()
@@ -200,7 +196,7 @@ class BatchStore:
         raw = self.r.hgetall(self.keys.batch(batch_id))
         if not raw:
             return None
-        return {_text(a): _text(b) for a, b in raw.items()}
+        return {as_text(a): as_text(b) for a, b in raw.items()}
 
     def update(self, batch_id: str, fields: dict[str, str]) -> None:
         self.r.hset(self.keys.batch(batch_id), mapping=fields)
@@ -213,7 +209,7 @@ class BatchStore:
             if rank is None:
                 return [], False
             start = int(rank) + 1
-        ids = [_text(x) for x in self.r.zrevrange(self.keys.batches, start, start + limit)]
+        ids = [as_text(x) for x in self.r.zrevrange(self.keys.batches, start, start + limit)]
         gone = [i for i, there in zip(ids, self._exist(ids), strict=True) if not there]
         if gone:  # past their retention: forget them here, and list the next ones
             self.r.zrem(self.keys.batches, *gone)
@@ -237,25 +233,9 @@ class BatchStore:
 
     def feed(self, batch_id: str, now: float | None = None) -> int:
         """Top the batch's window up from its pending lines; how many were queued."""
-        k = self.keys
         now = time.time() if now is None else now
-        fed = self.store._run(
-            "feed",
-            [
-                k.batch(batch_id),
-                k.batch_pending(batch_id),
-                k.batch_live(batch_id),
-                k.queue,
-                k.wake,
-            ],
-            [
-                repr(now),
-                k.job_prefix,
-                self.settings.batch_window,
-                repr(self.store.policy.score(BATCH_LEVEL, now)),
-                ",".join(s.value for s in LIVE),
-                k.pending_prefix,
-            ],
+        fed = self.store.feed_batch(
+            batch_id, self.settings.batch_window, self.store.policy.score(BATCH_LEVEL, now), now
         )
         return int(fed)
 
@@ -277,7 +257,7 @@ class BatchStore:
             with self.r.pipeline(transaction=False) as p:
                 for item in items[start : start + 1000]:
                     p.hget(self.keys.job(item.job), "state")
-                out.extend(None if s is None else _text(s) for s in p.execute())
+                out.extend(None if s is None else as_text(s) for s in p.execute())
         return out
 
     def counts(self, batch_id: str, invalid: int) -> tuple[Counts, list[Item], list[str | None]]:
@@ -293,7 +273,7 @@ class BatchStore:
     def drop_pending(self, batch_id: str) -> list[str]:
         """Remove the lines not yet queued (a cancelled batch); their job ids."""
         k = self.keys
-        ids = [_text(x) for x in self.r.lrange(k.batch_pending(batch_id), 0, -1)]
+        ids = [as_text(x) for x in self.r.lrange(k.batch_pending(batch_id), 0, -1)]
         with self.r.pipeline() as p:
             p.delete(k.batch_pending(batch_id))
             for start in range(0, len(ids), 1000):
@@ -302,7 +282,7 @@ class BatchStore:
         return ids
 
     def live_jobs(self, batch_id: str) -> list[str]:
-        return [_text(x) for x in self.r.smembers(self.keys.batch_live(batch_id))]
+        return [as_text(x) for x in self.r.smembers(self.keys.batch_live(batch_id))]
 
     def release_results(self, items: list[Item]) -> None:
         """The batch's output is written: its jobs' results now expire like any job's."""

@@ -10,21 +10,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 import redis
 
 from jobs.events import DONE, error_event
 from jobs.identity import ModelIdentity
+from jobs.telemetry import Telemetry, as_text, bucket_of, lua_script
 from scheduler.keys import Keys
 from scheduler.policy import Policy
 from scheduler.preempt import PreemptPolicy, Runner, choose_victim
 from scheduler.settings import Settings
-from scheduler.state import JobState, lua_prelude, sources
+from scheduler.state import LIVE, JobState, sources
 
 __all__ = [
-    "BUCKETS_MS",
     "CANCEL_EVENTS",
     "Claim",
     "Fenced",
@@ -33,38 +32,14 @@ __all__ = [
     "Step",
     "Store",
     "TransitionRefused",
-    "bucket_of",
 ]
-
-#: Upper bounds (ms) of the latency histograms' buckets; the last is +Inf.
-BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
-
-
-def bucket_of(value_ms: float) -> str:
-    """The histogram field for one observation: its bucket's upper bound."""
-    for bound in BUCKETS_MS:
-        if value_ms <= bound:
-            return str(bound)
-    return "+Inf"
-
 
 #: What a cancelled job's stream ends with.
 CANCEL_EVENTS = [error_event("The job was cancelled.", "cancelled", "job_cancelled"), DONE]
 
 
-def _script(name: str) -> str:
-    """A script's text, after the shared helpers of ``lib.lua``."""
-    lua = resources.files("scheduler").joinpath("lua")
-    helpers = lua.joinpath("lib.lua").read_text()
-    return lua_prelude() + helpers + lua.joinpath(f"{name}.lua").read_text()
-
-
 def _states(*states: JobState) -> str:
     return ",".join(s.value for s in states)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class QueueFull(Exception):
@@ -125,8 +100,9 @@ class Store:
         self.preempt_policy: PreemptPolicy = settings.preempt_policy
         self.settings = settings
         self.result_ttl = settings.result_ttl
+        self.telemetry = Telemetry(client, self.keys)
         self._scripts = {
-            name: client.register_script(_script(name))
+            name: client.register_script(lua_script(name))
             for name in (
                 "enqueue",
                 "claim",
@@ -143,6 +119,16 @@ class Store:
 
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return self._scripts[name](keys=keys, args=args)
+
+    def ping(self) -> bool:
+        return bool(self.r.ping())
+
+    def listen(self, job_ids: list[str]) -> redis.client.PubSub:
+        """A subscription to the live events of ``job_ids`` (announced as
+        ``<seq> <data>`` on each job's channel)."""
+        pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(*[self.keys.channel(j) for j in job_ids])
+        return pubsub
 
     # -- web side ---------------------------------------------------------
 
@@ -202,7 +188,18 @@ class Store:
                 *CANCEL_EVENTS,
             ],
         )
-        return None if result is None else _text(result)
+        return None if result is None else as_text(result)
+
+    def feed_batch(self, batch_id: str, window: int, score: float, now: float) -> int:
+        """Queue a batch's pending lines (at ``score``) until ``window`` of them
+        are live; how many were queued."""
+        k = self.keys
+        fed = self._run(
+            "feed",
+            [k.batch(batch_id), k.batch_pending(batch_id), k.batch_live(batch_id), k.queue, k.wake],
+            [repr(now), k.job_prefix, window, repr(score), _states(*LIVE), k.pending_prefix],
+        )
+        return int(fed)
 
     def reader(self, job_id: str, delta: int, now: float) -> None:
         """A stream reader of the job attaches (+1) or leaves (-1)."""
@@ -212,12 +209,12 @@ class Store:
         raw = self.r.hgetall(self.keys.job(job_id))
         if not raw:
             return None
-        return {_text(a): _text(b) for a, b in raw.items()}
+        return {as_text(a): as_text(b) for a, b in raw.items()}
 
     def batch_of(self, job_id: str) -> str | None:
         """The id of the batch a job belongs to, if any."""
         value = self.r.hget(self.keys.job(job_id), "batch")
-        return None if value is None else _text(value)
+        return None if value is None else as_text(value)
 
     def queue_position(self, job_id: str) -> int | None:
         rank = self.r.zrank(self.keys.queue, job_id)
@@ -228,10 +225,10 @@ class Store:
     ) -> list[tuple[int, str]]:
         """Events with sequence numbers above ``seq``, in order."""
         entries = self.r.xrange(self.keys.events(job_id), min=f"({seq}-0", max="+", count=count)
-        return [(int(_text(eid).split("-", 1)[0]), _text(f[b"d"])) for eid, f in entries]
+        return [(int(as_text(eid).split("-", 1)[0]), as_text(f[b"d"])) for eid, f in entries]
 
     def workers_alive(self, now: float) -> list[str]:
-        return [_text(n) for n in self.r.zrangebyscore(self.keys.workers, now, "+inf")]
+        return [as_text(n) for n in self.r.zrangebyscore(self.keys.workers, now, "+inf")]
 
     def worker_models(self, now: float) -> dict[str, ModelIdentity | None]:
         """The live worker processes and the model each announced (None: announced
@@ -243,7 +240,7 @@ class Store:
             rows = p.execute()
         out = {}
         for w, row in zip(alive, rows, strict=True):
-            fields = {_text(a): _text(b) for a, b in row.items()}
+            fields = {as_text(a): as_text(b) for a, b in row.items()}
             if fields.get("proc", w) == w:
                 out[w] = ModelIdentity.from_fields(fields)
         return out
@@ -262,8 +259,8 @@ class Store:
             p.zrangebyscore(k.workers, now, "+inf")
             p.zrange(k.running, 0, -1)
             alive_raw, running_raw = p.execute()
-        alive = [_text(w) for w in alive_raw]
-        running = {_text(w) for w in running_raw}
+        alive = [as_text(w) for w in alive_raw]
+        running = {as_text(w) for w in running_raw}
         with self.r.pipeline(transaction=False) as p:
             for w in alive:
                 p.hmget(
@@ -273,7 +270,8 @@ class Store:
         runners, tokens, procs = [], [], []
         peers = working = 0
         for w, (job, exec_, since, key, pinned, digest, proc) in zip(alive, rows, strict=True):
-            if self.model is not None and digest is not None and _text(digest) != self.model.digest:
+            theirs = None if digest is None else as_text(digest)
+            if self.model is not None and theirs is not None and theirs != self.model.digest:
                 continue  # serves another model: neither idle for us nor a victim
             peers += 1
             if w not in running or job is None or since is None or key is None:
@@ -281,9 +279,9 @@ class Store:
             working += 1
             if pinned == b"1":
                 continue  # a worker that never parks is busy but no candidate
-            runners.append(Runner(w, _text(job), float(key), float(since)))
-            tokens.append(_text(exec_))
-            procs.append(w if proc is None else _text(proc))
+            runners.append(Runner(w, as_text(job), float(key), float(since)))
+            tokens.append(as_text(exec_))
+            procs.append(w if proc is None else as_text(proc))
         # A worker that just went idle counts as idle: no one is preempted for a
         # job it is about to claim.
         return runners, peers - working, tokens, procs
@@ -305,18 +303,19 @@ class Store:
         with self.r.pipeline(transaction=False) as p:
             p.zrangebyscore(self.keys.workers, now, "+inf")
             for raw_id, _ in head:
-                p.hmget(self.keys.job(_text(raw_id)), "state", "ckpt_worker", "parked_at")
+                p.hmget(self.keys.job(as_text(raw_id)), "state", "ckpt_worker", "parked_at")
             alive_raw, *records = p.execute()
-        alive = {_text(w) for w in alive_raw}
+        alive = {as_text(w) for w in alive_raw}
         for (_, score), (state, holder, parked_at) in zip(head, records, strict=True):
             bound = (
                 state == b"parked"
                 and holder is not None
-                and _text(holder) in alive
+                and as_text(holder) in alive
                 and now - float(parked_at or 0) < self.settings.affinity_seconds
             )
             if bound:
-                only = [r for r, proc in zip(runners, procs, strict=True) if proc == _text(holder)]
+                held_by = as_text(holder)
+                only = [r for r, proc in zip(runners, procs, strict=True) if proc == held_by]
                 if not only:
                     continue  # the holder is idle (it takes the job) or busy unpreemptibly
                 victim = choose_victim(self.preempt_policy, -float(score), only, 0, now)
@@ -382,8 +381,8 @@ class Store:
             rows = p.execute()
         gone = []
         for w, (flag, proc) in zip(alive, rows, strict=True):
-            process = w if proc is None else _text(proc)
-            if process == me or flag is None or _text(flag) != "1":
+            process = w if proc is None else as_text(proc)
+            if process == me or flag is None or as_text(flag) != "1":
                 continue
             if self.keys.client_name(process) not in names:
                 gone.append(w)
@@ -437,7 +436,7 @@ class Store:
         )
         if not got:
             return None
-        job_id, token, previous = (_text(x) for x in got)
+        job_id, token, previous = (as_text(x) for x in got)
         return Claim(job_id, token, JobState(previous))
 
     def step(
@@ -544,7 +543,7 @@ class Store:
         )
         if result == -1:
             raise Fenced(job_id)
-        return _text(result)
+        return as_text(result)
 
     def reap(self, now: float, me: str = "") -> list[Reaped]:
         """Requeue the jobs of workers whose heartbeat expired (never ``me``: a worker
@@ -571,47 +570,12 @@ class Store:
                 *payloads,
             ],
         )
-        items = [_text(x) for x in flat]
+        items = [as_text(x) for x in flat]
         return [Reaped(*items[i : i + 4]) for i in range(0, len(items), 4)]
-
-    def record(self, **samples: float) -> None:
-        """Keep recent measurements (the last 1,000 of each) for benchmarks and metrics."""
-        with self.r.pipeline(transaction=False) as p:
-            for name, value in samples.items():
-                p.lpush(self.keys.samples(name), repr(value))
-                p.ltrim(self.keys.samples(name), 0, 999)
-            p.execute()
-
-    def observe(self, histogram: str, value_ms: float) -> None:
-        """Add one observation to a histogram kept in Redis (shared by all processes)."""
-        key = self.keys.histogram(histogram)
-        with self.r.pipeline(transaction=False) as p:
-            p.hincrby(key, bucket_of(value_ms), 1)
-            p.hincrby(key, "count", 1)
-            p.hincrbyfloat(key, "sum", value_ms)
-            p.execute()
-
-    def log_preemption(self, job_id: str, worker: str, tokens: int, park_ms: float) -> None:
-        fields = {"job": job_id, "worker": worker, "tokens": tokens, "park_ms": round(park_ms, 2)}
-        self.r.xadd(self.keys.preemptions, fields, maxlen=200, approximate=True)
-
-    def recent_preemptions(self, count: int = 50) -> list[dict[str, Any]]:
-        out = []
-        for eid, fields in self.r.xrevrange(self.keys.preemptions, count=count):
-            entry: dict[str, Any] = {_text(k): _text(v) for k, v in fields.items()}
-            entry["at"] = int(_text(eid).split("-")[0]) / 1000
-            out.append(entry)
-        return out
-
-    def count(self, counter: str, n: int = 1) -> None:
-        self.r.hincrby(self.keys.counters, counter, n)
-
-    def samples(self, name: str) -> list[float]:
-        return [float(x) for x in self.r.lrange(self.keys.samples(name), 0, -1)]
 
     def job_states(self, job_ids: list[str]) -> dict[str, str | None]:
         with self.r.pipeline(transaction=False) as p:
             for job_id in job_ids:
                 p.hget(self.keys.job(job_id), "state")
             states = p.execute()
-        return {j: None if s is None else _text(s) for j, s in zip(job_ids, states, strict=True)}
+        return {j: None if s is None else as_text(s) for j, s in zip(job_ids, states, strict=True)}

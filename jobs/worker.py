@@ -155,6 +155,7 @@ class Worker:
         self.settings = settings
         self.engine = engine
         self.store = Store(client, settings, model)
+        self.telemetry = self.store.telemetry
         self.rq = RQBridge(client, settings.queue_name, settings.result_ttl)
         self.name = name or settings.worker_name or default_worker_name()
         # Generations at once, and the engine sequences beyond them that keep
@@ -422,7 +423,7 @@ class Worker:
             if reaped.outcome == "requeued":
                 self.rq.requeued(reaped.job_id)
             elif reaped.outcome == "failed":
-                self.store.count("jobs_failed")
+                self.telemetry.count("jobs_failed")
                 self.rq.ended(reaped.job_id, "failed", error="worker lost")
 
     def _feed_batch(self, job_id: str) -> None:
@@ -486,11 +487,11 @@ class Worker:
         if shared is not None:
             kv = shared.kv
             gen.n_prefilled = len(request.prompt_ids)
-            self._metric(lambda: self.store.count("prompt_tokens_shared", gen.n_prefilled))
+            self._metric(lambda: self.telemetry.count("prompt_tokens_shared", gen.n_prefilled))
         elif not resume and (hit := self.prefixes.best(request.prompt_ids, self.settings.n_batch)):
             kv, keep = hit[0].kv, hit[1]
             gen.n_prefilled = keep
-            self._metric(lambda: self.store.record(prefix_hit_tokens=keep))
+            self._metric(lambda: self.telemetry.record(prefix_hit_tokens=keep))
         log.info(
             "job %s: %s on %s (%d prompt tokens, %d generated, %s)",
             job_id,
@@ -550,7 +551,7 @@ class Worker:
                 elif first == 1:  # the job's first event: its time to first token
                     ttft = (now - float(record["created_at"])) * 1000
                     label = f"ttft_ms:{priority_label(request_level)}"
-                    self._metric(lambda: self.store.observe(label, ttft))
+                    self._metric(lambda: self.telemetry.observe(label, ttft))
                 timing["last"] = now
             step = self._retrying(
                 lambda: self.store.step(
@@ -577,8 +578,8 @@ class Worker:
         def ready() -> None:
             if resume and (kv is not None or in_place):  # resumed from a checkpoint
                 resume_ms = (time.perf_counter() - t_claim) * 1000
-                self._metric(lambda: self.store.record(resume_ms=resume_ms))
-                self._metric(lambda: self.store.observe("resume_ms", resume_ms))
+                self._metric(lambda: self.telemetry.record(resume_ms=resume_ms))
+                self._metric(lambda: self.telemetry.observe("resume_ms", resume_ms))
 
         try:
             outcome = yield from generate(
@@ -743,11 +744,11 @@ class Worker:
             elif kv:
                 self.checkpoints.put(job_id, Checkpoint(claim.exec_token, gen.n_past, kv))
             park_ms = (time.perf_counter() - t0) * 1000
-            self._metric(lambda: self.store.record(park_ms=park_ms, checkpoint_bytes=len(kv)))
-            self._metric(lambda: self.store.observe("park_ms", park_ms))
-            self._metric(lambda: self.store.count("preemptions"))
+            self._metric(lambda: self.telemetry.record(park_ms=park_ms, checkpoint_bytes=len(kv)))
+            self._metric(lambda: self.telemetry.observe("park_ms", park_ms))
+            self._metric(lambda: self.telemetry.count("preemptions"))
             n = len(gen.generated)
-            self._metric(lambda: self.store.log_preemption(job_id, slot.name, n, park_ms))
+            self._metric(lambda: self.telemetry.log_preemption(job_id, slot.name, n, park_ms))
             self.rq.requeued(job_id)
             log.info(
                 "job %s: parked after %d tokens (%s, %.1f ms)",
@@ -757,7 +758,7 @@ class Worker:
                 park_ms,
             )
         else:
-            self.store.count("jobs_cancelled")
+            self.telemetry.count("jobs_cancelled")
             self.rq.ended(job_id, "canceled")
             log.info("job %s: cancelled while parking", job_id)
 
@@ -829,7 +830,7 @@ class Worker:
         except TransitionRefused as exc:
             log.error("%s; left as it is", exc)
             return
-        self.store.count(f"jobs_{state.value}")
+        self.telemetry.count(f"jobs_{state.value}")
         self.rq.ended(job_id, "finished" if state is JobState.FINISHED else "canceled")
         log.info(
             "job %s: %s (%s, %d tokens)",
@@ -854,5 +855,5 @@ class Worker:
             )
         except (Fenced, TransitionRefused):
             return
-        self.store.count("jobs_failed")
+        self.telemetry.count("jobs_failed")
         self.rq.ended(claim.job_id, "failed", error=message)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 __all__ = [
+    "LIVE",
     "TERMINAL",
     "IllegalTransition",
     "JobState",
@@ -37,6 +38,8 @@ class JobState(StrEnum):
 
 
 TERMINAL: frozenset[JobState] = frozenset({JobState.FINISHED, JobState.FAILED, JobState.CANCELLED})
+#: The states of a job that has not ended.
+LIVE: tuple[JobState, ...] = tuple(s for s in JobState if s not in TERMINAL)
 
 _TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     # A waiting job is claimed by a worker, or cancelled before it runs.

@@ -23,8 +23,9 @@ from jobs.events import DONE
 from jobs.generation import GenerationRequest
 from scheduler.state import JobState
 from web.errors import APIError, BadRequest, Conflict, NotFound, PayloadTooLarge
+from web.intake import chat_job, check_model, completion_job, read_body
 from web.responses import assemble
-from web.runtime import Runtime
+from web.runtime import current
 from web.schemas import ChatRequest, CompletionRequest, parse
 
 __all__ = ["bp"]
@@ -35,13 +36,8 @@ ENDED = ("completed", "failed", "cancelled", "expired")
 _WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
 
 
-def _rt() -> Runtime:
-    runtime: Runtime = current_app.extensions["parkq"]
-    return runtime
-
-
 def _batches() -> BatchStore:
-    return BatchStore(_rt().store)
+    return BatchStore(current().store)
 
 
 # -- files --------------------------------------------------------------------
@@ -49,7 +45,7 @@ def _batches() -> BatchStore:
 
 @bp.post("/v1/files")
 def upload_file() -> Any:
-    limit = _rt().settings.batch_max_file_bytes
+    limit = current().settings.batch_max_file_bytes
     if request.content_length is not None and request.content_length > limit + 65536:
         raise PayloadTooLarge(f"The file is larger than the limit of {limit} bytes.")
     request.max_content_length = limit + 65536  # the file plus the form's other parts
@@ -67,7 +63,7 @@ def upload_file() -> Any:
     except UnicodeDecodeError:
         raise BadRequest("The file is not valid UTF-8 text.", param="file") from None
     lines = sum(1 for line in text.splitlines() if line.strip())
-    max_lines = _rt().settings.batch_max_lines
+    max_lines = current().settings.batch_max_lines
     if lines == 0:
         raise BadRequest("The file holds no requests (one JSON object per line).", param="file")
     if lines > max_lines:
@@ -133,8 +129,6 @@ class _LineError(Exception):
 
 def _line_job(raw: str, endpoint: str, seen: set[str]) -> tuple[str, GenerationRequest]:
     """The custom_id and job of one input line; raise :class:`_LineError` if invalid."""
-    from web.api import _chat_job, _completion_job
-
     try:
         line = json.loads(raw)
     except ValueError:
@@ -161,8 +155,8 @@ def _line_job(raw: str, endpoint: str, seen: set[str]) -> tuple[str, GenerationR
     body = {**body, "stream": False, "priority": "batch"}
     try:
         if endpoint == "/v1/chat/completions":
-            return custom_id, _chat_job(_one_choice(parse(ChatRequest, body)))
-        return custom_id, _completion_job(_one_choice(parse(CompletionRequest, body)))
+            return custom_id, chat_job(_one_choice(parse(ChatRequest, body)))
+        return custom_id, completion_job(_one_choice(parse(CompletionRequest, body)))
     except APIError as exc:
         raise _LineError(exc.code or "invalid_request", exc.message, custom_id) from None
 
@@ -192,10 +186,8 @@ def create_batch() -> Any:
     """Accept a batch at once, as ``validating``; its lines are checked and
     tokenized by a thread of their own (a file of 50,000 lines would otherwise
     hold this request, and a web thread, for as long)."""
-    from web.api import _body, check_model
-
-    req = parse(BatchCreate, _body())
-    check_model(_rt())
+    req = parse(BatchCreate, read_body())
+    check_model(current())
     window = _WINDOW.match(req.completion_window)
     assert window is not None  # the model's pattern
     meta = _file(req.input_file_id)
@@ -269,7 +261,7 @@ def _validate_lines(batches: BatchStore, batch_id: str) -> None:
                 errors.append({"code": exc.code, "message": message, "param": None, "line": n})
             continue
         lines.append((new_id("batchreq"), custom_id, gen.kind, gen.to_json()))
-    runtime = _rt()
+    runtime = current()
     for job_id, _, kind, gen_json in lines:
         runtime.rq.create(job_id, f"batch {batch_id}: {kind} {len(gen_json['prompt_ids'])} tokens")
     now = time.time()
@@ -482,7 +474,7 @@ def list_batches() -> Any:
 
 @bp.post("/v1/batches/<batch_id>/cancel")
 def cancel_batch(batch_id: str) -> Any:
-    runtime = _rt()
+    runtime = current()
     batches = _batches()
     record = _batch(batches, batch_id)
     if record["status"] in ENDED:
@@ -497,7 +489,7 @@ def cancel_batch(batch_id: str) -> Any:
             runtime.rq.canceled(job_id)
         for job_id in batches.live_jobs(batch_id):
             if runtime.store.cancel(job_id, now) == "cancelled":
-                runtime.store.count("jobs_cancelled")
+                runtime.store.telemetry.count("jobs_cancelled")
                 runtime.rq.canceled(job_id)
         current_app.logger.info(
             "batch %s: cancelling (%d requests never queued)", batch_id, len(dropped)

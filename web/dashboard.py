@@ -16,7 +16,7 @@ from typing import Any
 from flask import Blueprint, Response, current_app, jsonify, redirect, request
 
 from scheduler.policy import priority_label
-from web.runtime import Runtime
+from web.runtime import current
 
 __all__ = ["COOKIE", "HEADER", "SESSION_SECONDS", "bp", "session_token", "session_valid"]
 
@@ -54,11 +54,6 @@ def session_valid(token: str, keys: tuple[str, ...], now: float) -> bool:
     return found
 
 
-def _rt() -> Runtime:
-    runtime: Runtime = current_app.extensions["parkq"]
-    return runtime
-
-
 @bp.get("/")
 def page() -> Any:
     return current_app.send_static_file("dashboard.html")
@@ -67,7 +62,7 @@ def page() -> Any:
 @bp.post("/dashboard/login")
 def login() -> Any:
     key = request.form.get("key", "")
-    keys = _rt().settings.api_key_list
+    keys = current().settings.api_key_list
     if not any(hmac.compare_digest(key.encode(), k.encode()) for k in keys):
         return redirect("/?login=failed", code=303)
     resp = redirect("/", code=303)
@@ -85,39 +80,36 @@ def login() -> Any:
 @bp.get("/dashboard/state")
 def state() -> Response:
     """Everything the page shows, in one snapshot."""
-    store = _rt().store
-    keys, r = store.keys, store.r
+    store = current().store
+    telemetry = store.telemetry
     now = time.time()
-    waiting = [x.decode() for x in r.zrange(keys.queue, 0, 199)]
-    alive = store.workers_alive(now)
-    with r.pipeline(transaction=False) as p:
-        for job_id in waiting:
-            p.hmget(keys.job(job_id), "priority", "state", "enqueued_at", "tokens", "kind")
-        for w in alive:
-            p.hmget(keys.worker(w), "job", "checkpoint_bytes", "rss_bytes")
-        rows = p.execute()
-    queue = []
-    for job_id, (level, st, enq, tokens, kind) in zip(waiting, rows, strict=False):
-        queue.append({
+    waiting = telemetry.waiting(200)
+    rows = telemetry.job_rows(waiting, "priority", "state", "enqueued_at", "tokens", "kind")
+    queue = [
+        {
             "id": job_id,
-            "priority": priority_label(int(level or 0)),
-            "state": (st or b"").decode(),
-            "age": round(now - float(enq or now), 1),
-            "tokens": int(tokens or 0),
-            "kind": (kind or b"").decode(),
-        })  # fmt: skip
+            "priority": priority_label(int(row["priority"] or 0)),
+            "state": row["state"] or "",
+            "age": round(now - float(row["enqueued_at"] or now), 1),
+            "tokens": int(row["tokens"] or 0),
+            "kind": row["kind"] or "",
+        }
+        for job_id, row in zip(waiting, rows, strict=True)
+    ]
+    alive = store.workers_alive(now)
     workers = []
-    for w, (job, held, rss) in zip(alive, rows[len(waiting) :], strict=False):
+    for w, row in zip(alive, telemetry.worker_rows(alive, "job", "checkpoint_bytes", "rss_bytes"),
+                      strict=True):  # fmt: skip
         entry: dict[str, Any] = {
             "name": w,
-            "checkpoint_bytes": int(held or 0),
-            "rss_bytes": int(rss or 0),
+            "checkpoint_bytes": int(row["checkpoint_bytes"] or 0),
+            "rss_bytes": int(row["rss_bytes"] or 0),
             "job": None,
         }
-        if job:
-            rec = store.get(job.decode()) or {}
+        if job := row["job"]:
+            rec = store.get(job) or {}
             entry["job"] = {
-                "id": job.decode(),
+                "id": job,
                 "priority": priority_label(int(rec.get("priority", "0"))),
                 "tokens": int(rec.get("tokens", "0")),
                 "state": rec.get("state"),
@@ -125,8 +117,8 @@ def state() -> Response:
         workers.append(entry)
     return jsonify({
         "now": now,
-        "model": _rt().model_name,
+        "model": current().model_name,
         "queue": queue,
         "workers": workers,
-        "preemptions": store.recent_preemptions(30),
+        "preemptions": store.telemetry.recent_preemptions(30),
     })  # fmt: skip

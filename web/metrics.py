@@ -22,7 +22,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from jobs.store import BUCKETS_MS, Store
+from jobs.store import Store
+from jobs.telemetry import BUCKETS_MS
 from scheduler.policy import priority_label
 
 __all__ = ["METRICS", "bp"]
@@ -64,27 +65,19 @@ class RedisCollector(Collector):
         self.store = store
 
     def collect(self) -> Iterator[Metric]:
-        store, keys = self.store, self.store.keys
-        r = store.r
+        store, telemetry = self.store, self.store.telemetry
         now = time.time()
-        waiting = [x.decode() for x in r.zrange(keys.queue, 0, 9999)]
-        with r.pipeline(transaction=False) as p:
-            for job_id in waiting:
-                p.hmget(keys.job(job_id), "priority", "state")
-            rows = p.execute()
         depth: Counter[str] = Counter()
         parked = 0
-        for level, state in rows:
-            depth[priority_label(int(level or 0))] += 1
-            parked += state == b"parked"
-        alive = set(store.workers_alive(now))
-        running = [w.decode() for w in r.zrange(keys.running, 0, -1) if w.decode() in alive]
-        with r.pipeline(transaction=False) as p:
-            p.hgetall(keys.counters)
-            for w in alive:
-                p.hget(keys.worker(w), "checkpoint_bytes")
-            counters, *held = p.execute()
-        counters = {k.decode(): _num(v) for k, v in counters.items()}
+        for row in telemetry.job_rows(telemetry.waiting(10000), "priority", "state"):
+            depth[priority_label(int(row["priority"] or 0))] += 1
+            parked += row["state"] == "parked"
+        alive = store.workers_alive(now)
+        running = [w for w in telemetry.running_workers() if w in set(alive)]
+        counters = telemetry.counters()
+        held = [
+            _num(r["checkpoint_bytes"]) for r in telemetry.worker_rows(alive, "checkpoint_bytes")
+        ]
 
         g = GaugeMetricFamily(
             "parkq_queue_depth", METRICS["parkq_queue_depth"], labels=["priority"]
@@ -97,7 +90,7 @@ class RedisCollector(Collector):
         processes = len(store.worker_models(now))  # not one per sequence
         yield GaugeMetricFamily("parkq_workers_alive", METRICS["parkq_workers_alive"], processes)
         yield GaugeMetricFamily(
-            "parkq_checkpoint_bytes", METRICS["parkq_checkpoint_bytes"], sum(map(_num, held))
+            "parkq_checkpoint_bytes", METRICS["parkq_checkpoint_bytes"], sum(held)
         )
         yield CounterMetricFamily(
             "parkq_preemptions", METRICS["parkq_preemptions"], counters.get("preemptions", 0)
@@ -128,10 +121,7 @@ class RedisCollector(Collector):
         yield ttft
 
     def _buckets(self, field: str) -> tuple[list[tuple[str, float]], float]:
-        raw = {
-            k.decode(): _num(v)
-            for k, v in self.store.r.hgetall(self.store.keys.histogram(field)).items()
-        }
+        raw = self.store.telemetry.histogram(field)
         cumulative, total = [], 0.0
         for bound in BUCKETS_MS:
             total += raw.get(str(bound), 0)

@@ -1,12 +1,140 @@
-"""A whole (non-streamed) OpenAI response assembled from a job's streamed chunks."""
+"""Responses out: a request's jobs as one SSE stream (the choices merged when
+``n`` > 1) or as one whole OpenAI response body."""
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from jobs.generation import GenerationRequest
+from flask import Response, request, stream_with_context
 
-__all__ = ["assemble"]
+from jobs.events import DONE
+from jobs.generation import GenerationRequest
+from web import sse
+from web.errors import APIError, Conflict
+from web.runtime import current
+
+__all__ = ["aggregate", "assemble", "stream", "usage_of"]
+
+
+def stream(response_id: str, jobs: list[str], after: list[int]) -> Response:
+    runtime = current()
+    sock = request.environ.get("gunicorn.socket")  # to notice a client that left
+
+    def gone() -> bool:
+        return sse.client_gone(sock)
+
+    def generate() -> Iterator[bytes]:
+        # A first comment sends the headers at once, even while the job waits.
+        yield f": parkq job {response_id}\n\n".encode()
+        keepalive = runtime.settings.keepalive_seconds
+        if len(jobs) == 1 and response_id == jobs[0]:
+            for item in sse.events(runtime.store, jobs[0], after[0], keepalive, gone):
+                yield sse.KEEPALIVE if item is None else sse.frame(*item)
+        else:
+            yield from _choices_stream(jobs, after, gone)
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Job-Id": response_id}
+    return Response(stream_with_context(generate()), mimetype="text/event-stream", headers=headers)
+
+
+def _choices_stream(jobs: list[str], after: list[int], gone: Callable[[], bool]) -> Iterator[bytes]:
+    """The events of a request's choices (``n`` > 1) as they come, each under the
+    id ``s0,s1,...``: the last event of every choice so far, which a reconnect
+    sends back as Last-Event-ID. An error ends every choice and is sent once;
+    then the usage chunk (when asked for) and one [DONE]."""
+    runtime = current()
+    last, ended, failed = list(after), set(), False
+    items = sse.merged(runtime.store, jobs, after, runtime.settings.keepalive_seconds, gone)
+    for item in items:
+        if item is None:
+            yield sse.KEEPALIVE
+            continue
+        i, seq, data = item
+        last[i] = seq
+        if data == DONE:
+            ended.add(i)
+            continue
+        if data.startswith('{"error"'):
+            if failed:
+                continue
+            failed = True
+            for job_id in jobs:
+                runtime.store.cancel(job_id, time.time())
+        yield sse.frame(_event_id(last), data)
+    if len(ended) < len(jobs):
+        return  # the client left
+    records = [runtime.store.get(job_id) or {} for job_id in jobs]
+    gen = GenerationRequest.from_json(json.loads(records[0]["request"]))
+    event_id = _event_id(last)
+    if gen.include_usage and not failed:
+        chunk: dict[str, Any] = {
+            "id": gen.response_id,
+            "object": "chat.completion.chunk" if gen.kind == "chat" else "text_completion",
+            "created": gen.created,
+            "model": gen.model,
+            "choices": [],
+            "usage": usage_of(records),
+        }
+        yield sse.frame(event_id, json.dumps(chunk, separators=(",", ":")))
+    yield sse.frame(event_id, DONE)
+
+
+def _event_id(last: list[int]) -> str:
+    return ",".join(map(str, last))
+
+
+def usage_of(records: list[dict[str, str]]) -> dict[str, int] | None:
+    """One request's usage over its choices: the prompt counted once."""
+    usages = [json.loads(r.get("usage") or "null") for r in records]
+    if any(u is None for u in usages):
+        return None
+    prompt = usages[0]["prompt_tokens"]
+    completion = sum(u["completion_tokens"] for u in usages)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _collect(job_id: str) -> list[dict[str, Any]]:
+    runtime = current()
+    chunks: list[dict[str, Any]] = []
+    for item in sse.events(runtime.store, job_id, 0, runtime.settings.keepalive_seconds):
+        if item is None or item[1] == DONE:
+            continue
+        chunk = json.loads(item[1])
+        if "error" in chunk:
+            err = chunk["error"]
+            exc = Conflict(err["message"], code=err["code"])
+            if err.get("type") != "cancelled":
+                exc = APIError(err["message"], code=err["code"])
+            raise exc
+        chunks.append(chunk)
+    return chunks
+
+
+def aggregate(response_id: str, jobs: list[str], gen: GenerationRequest) -> dict[str, Any]:
+    """The whole response: every choice's chunks assembled (an error in one
+    ends the others and is the answer)."""
+    store = current().store
+    choices: list[dict[str, Any]] = []
+    for i, job_id in enumerate(jobs):
+        try:
+            chunks = _collect(job_id)
+        except APIError:
+            for other in jobs:
+                store.cancel(other, time.time())
+            raise
+        record = store.get(job_id) or {}
+        usage = json.loads(record.get("usage", "null"))
+        choices.extend(assemble(response_id, gen, chunks, usage, i)["choices"])
+    body = assemble(response_id, gen, [], None)
+    records = [store.get(job_id) or {} for job_id in jobs]
+    return {**body, "choices": choices, "usage": usage_of(records)}
 
 
 def assemble(

@@ -13,7 +13,7 @@ from jobs.rqjobs import RQBridge
 from jobs.store import Store
 from scheduler.settings import Settings
 
-__all__ = ["Fleet", "Runtime", "VocabLike"]
+__all__ = ["Fleet", "Runtime", "VocabLike", "current"]
 
 #: How long the web trusts its last read of what the workers serve.
 FLEET_SECONDS = 1.0
@@ -85,3 +85,11 @@ class Runtime:
             return own  # the request fails at the queue, with the right error
         sizes = [m.n_ctx for m in fleet.matching.values() if m is not None]
         return min(sizes) if sizes else own
+
+
+def current() -> Runtime:
+    """The runtime of the app handling the current request."""
+    from flask import current_app
+
+    runtime: Runtime = current_app.extensions["parkq"]
+    return runtime

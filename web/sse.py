@@ -82,9 +82,8 @@ def merged(
     job's in order; ``None`` when idle. Ends once every job has sent
     ``[DONE]`` (each one's ``[DONE]`` is yielded too), or when the client left.
     """
-    pubsub = store.r.pubsub(ignore_subscribe_messages=True)
+    pubsub = store.listen(job_ids)
     channels = {store.keys.channel(job_id).encode(): i for i, job_id in enumerate(job_ids)}
-    pubsub.subscribe(*channels)
     last = list(after)
     open_ = set(range(len(job_ids)))
     now = time.time()

@@ -37,6 +37,13 @@ local function emit_numbered(job, events, channel, first, from)
   redis.call('HSET', job, 'seq', have)
 end
 
+-- Add `n` observations of `value` ms each to a latency histogram.
+local function observe(hist, bucket, n, value)
+  redis.call('HINCRBY', hist, bucket, n)
+  redis.call('HINCRBY', hist, 'count', n)
+  redis.call('HINCRBYFLOAT', hist, 'sum', value * n)
+end
+
 -- Put a job in a terminal state and let it and its stream expire.
 -- A job of a batch keeps its result until the batch's output file is written
 -- (BatchStore.release_results then gives it the result TTL): a batch may take

@@ -24,9 +24,7 @@ redis.call('HSET', KEYS[1], 'tokens', ARGV[3])
 -- mean gap (ARGV[6] is per event).
 local n = #ARGV - 6
 if ARGV[5] ~= '' and n > 0 then
-  redis.call('HINCRBY', KEYS[6], ARGV[5], n)
-  redis.call('HINCRBY', KEYS[6], 'count', n)
-  redis.call('HINCRBYFLOAT', KEYS[6], 'sum', tonumber(ARGV[6]) * n)
+  observe(KEYS[6], ARGV[5], n, tonumber(ARGV[6]))
 end
 local flags = 0
 if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then

@@ -80,7 +80,8 @@ def run_parkq(settings: Settings, workload: Workload) -> tuple[dict[str, Any], d
     with Stack(settings) as stack:
         _warm(stack.base_url)
         obs = play(stack.base_url, workload, {"ignore_eos": True})
-        store = Store(redis.Redis.from_url(stack.settings.redis_url or ""), stack.settings)
+        client = redis.Redis.from_url(stack.settings.redis_url or "")
+        telemetry = Store(client, stack.settings).telemetry
         preemptions = 0
         for r in obs.of("long"):
             if r.job_id:
@@ -89,11 +90,11 @@ def run_parkq(settings: Settings, workload: Workload) -> tuple[dict[str, Any], d
         result = summarize(obs)
         result.update(
             preemptions=preemptions,
-            park_ms=_quantiles(store.samples("park_ms")),
-            resume_ms=_quantiles(store.samples("resume_ms")),
-            checkpoint_bytes=_quantiles(store.samples("checkpoint_bytes")),
+            park_ms=_quantiles(telemetry.samples("park_ms")),
+            resume_ms=_quantiles(telemetry.samples("resume_ms")),
+            checkpoint_bytes=_quantiles(telemetry.samples("checkpoint_bytes")),
         )
-        store.r.close()
+        client.close()
     return result, timeline(obs)
 
 

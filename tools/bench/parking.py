@@ -58,9 +58,10 @@ def park_resume(
         engine = LlamaEngine(model, n_ctx=4096, n_batch=256, chat_format=chat_format)
         results = []
         for n in contexts:
+            job_id = f"park-{n}"
             prompt = engine.tokenize("word " * n)[: n - 8]
             req = GenerationRequest("completion", "m", prompt, 64, SamplingParams(temperature=0))
-            gen = Generation("job", req, engine.token_bytes, engine.is_eog)
+            gen = Generation(job_id, req, engine.token_bytes, engine.is_eog)
             engine.clear()
             for start in range(0, len(prompt), 256):
                 logits = engine.eval(prompt[start : start + 256], start)
@@ -72,27 +73,27 @@ def park_resume(
                 logits = engine.eval([tok], pos)
                 pos += 1
             gen.accept(int(np.argmax(logits)), logits)  # the pending token
-            store.enqueue("job", "completion", req.to_json(), 0, time.time())
+            store.enqueue(job_id, "completion", req.to_json(), 0, time.time())
             claim = store.claim("bench", time.time())
             assert claim is not None
             parks, resumes, size = [], [], 0
             for _ in range(rounds):
                 t0 = time.perf_counter()
                 kv = engine.save_seq()
-                store.park("job", claim.exec_token, "bench", json.dumps(gen.state()), time.time())
+                store.park(job_id, claim.exec_token, "bench", json.dumps(gen.state()), time.time())
                 parks.append(time.perf_counter() - t0)
                 size = len(kv)
                 engine.clear()
                 t0 = time.perf_counter()
                 claim = store.claim("bench", time.time())
                 assert claim is not None
-                record = store.get("job") or {}
+                record = store.get(job_id) or {}
                 gen = Generation.restore(
-                    "job", req, engine.token_bytes, engine.is_eog, json.loads(record["checkpoint"])
+                    job_id, req, engine.token_bytes, engine.is_eog, json.loads(record["checkpoint"])
                 )
                 engine.load_seq(kv)
                 resumes.append(time.perf_counter() - t0)
-            store.r.delete(store.keys.job("job"))
+            store.cancel(job_id, time.time())
             results.append(
                 {
                     "context_tokens": gen.n_past,

@@ -1,0 +1,227 @@
+"""Requests in: a route's JSON body, validated, becomes the job the workers
+run (a :class:`GenerationRequest`), refused with the reason when it cannot."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+from flask import request
+
+from jobs.constraints import (
+    GrammarError,
+    grammar_for_json_object,
+    grammar_for_json_schema,
+    grammar_for_tool_calls,
+)
+from jobs.generation import GenerationRequest
+from jobs.prompts import chat_ids
+from jobs.sampling import SamplingParams
+from scheduler.policy import priority_level
+from web.errors import BadRequest, ContextLengthExceeded, ModelMismatch
+from web.runtime import Runtime, current
+from web.schemas import ChatRequest, CompletionRequest, _Common
+
+__all__ = ["chat_job", "check_model", "completion_job", "priority", "read_body"]
+
+
+def read_body() -> Any:
+    try:
+        return json.loads(request.get_data(cache=False))
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest("The request body is not valid JSON.") from None
+
+
+def priority(req: _Common) -> int:
+    try:
+        return priority_level(req.priority)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="priority") from None
+
+
+def _limit(prompt_tokens: int, asked: int | None, default: int | None) -> int:
+    n_ctx = current().n_ctx
+    room = n_ctx - prompt_tokens
+    if asked is None:
+        asked = room if default is None else min(default, room)
+        if asked < 1:
+            raise ContextLengthExceeded(
+                f"The prompt is {prompt_tokens} tokens; the context holds {n_ctx}, "
+                "leaving no room to generate.",
+                param="messages",
+            )
+    if prompt_tokens + asked > n_ctx:
+        raise ContextLengthExceeded(
+            f"This model's context holds {n_ctx} tokens, but the request needs "
+            f"{prompt_tokens + asked} ({prompt_tokens} in the prompt, {asked} to generate).",
+            param="max_tokens",
+        )
+    return asked
+
+
+def _sampling(req: _Common) -> SamplingParams:
+    seed = req.seed if req.seed is not None else secrets.randbits(63)
+    return SamplingParams(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        seed=seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=_logit_bias(req.logit_bias),
+    )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[str, float]:
+    n_vocab = current().vocab.n_vocab
+    for token in bias or {}:
+        if int(token) >= n_vocab:
+            raise BadRequest(
+                f"logit_bias names token {token}; the vocabulary has {n_vocab}", param="logit_bias"
+            )
+    return {str(int(k)): float(v) for k, v in (bias or {}).items() if v}
+
+
+def _grammar(req: _Common) -> str | None:
+    """The grammar of the request's ``response_format`` (None: free text)."""
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    try:
+        if rf.type == "json_object":
+            return grammar_for_json_object()
+        if rf.json_schema is None:
+            raise GrammarError("json_schema requires a 'json_schema' object with a 'schema'")
+        return grammar_for_json_schema(rf.json_schema.json_schema)
+    except GrammarError as exc:
+        raise BadRequest(f"Invalid response_format: {exc}", param="response_format") from None
+
+
+def _functions(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each tool's function name and the JSON schema of its arguments."""
+    out: dict[str, Any] = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if tool.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise BadRequest(
+                "each tool must be {'type': 'function', 'function': {'name': ...}}",
+                param=f"tools.{i}",
+            )
+        parameters = function.get("parameters") if isinstance(function, dict) else None
+        out[name] = parameters if isinstance(parameters, dict) else {"type": "object"}
+    return out
+
+
+def _tool_grammar(req: ChatRequest) -> str | None:
+    """The grammar that ``tool_choice`` asks for: None unless a call is required."""
+    choice = req.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        if req.parallel_tool_calls is False:
+            raise BadRequest(
+                "parallel_tool_calls=false is supported with tool_choice 'required' or a "
+                "named function",
+                param="parallel_tool_calls",
+            )
+        return None
+    if not req.tools:
+        raise BadRequest("tool_choice needs tools", param="tool_choice")
+    functions = _functions(req.tools)
+    if not isinstance(choice, str):
+        name = choice.function.name
+        if name not in functions:
+            raise BadRequest(
+                f"tool_choice names '{name}', which is not in tools", param="tool_choice"
+            )
+        functions = {name: functions[name]}
+    if req.response_format is not None and req.response_format.type != "text":
+        raise BadRequest(
+            "give response_format or a required tool call, not both", param="tool_choice"
+        )
+    try:
+        return grammar_for_tool_calls(functions, several=req.parallel_tool_calls is not False)
+    except GrammarError as exc:
+        raise BadRequest(f"Invalid tools: {exc}", param="tools") from None
+
+
+def chat_job(req: ChatRequest) -> GenerationRequest:
+    runtime = current()
+    messages = [m.as_template_input() for m in req.messages]
+    tools = None if req.tool_choice == "none" else req.tools
+    grammar = _tool_grammar(req) or _grammar(req)
+    try:
+        ids, template_stops = chat_ids(runtime.vocab, messages, tools)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="messages") from None
+    top = req.top_logprobs or 0
+    if top and not req.logprobs:
+        raise BadRequest("top_logprobs requires logprobs=true", param="top_logprobs")
+    return GenerationRequest(
+        kind="chat",
+        model=runtime.model_name,
+        prompt_ids=ids,
+        max_tokens=_limit(len(ids), req.token_limit, None),
+        sampling=_sampling(req),
+        stop=tuple(req.stop or []) + tuple(template_stops),
+        logprobs=req.logprobs,
+        top_logprobs=top,
+        ignore_eos=req.ignore_eos,
+        include_usage=req.include_usage,
+        tools=bool(tools),
+        created=int(time.time()),
+        grammar=grammar,
+    )
+
+
+def completion_job(req: CompletionRequest) -> GenerationRequest:
+    runtime = current()
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        ids = [int(t) for t in prompt]
+        if any(not 0 <= t < runtime.vocab.n_vocab for t in ids):
+            raise BadRequest("prompt token id out of the vocabulary", param="prompt")
+        text = b"".join(runtime.vocab.token_bytes(t) for t in ids).decode(errors="replace")
+    else:
+        text = str(prompt[0] if isinstance(prompt, list) else prompt)
+        ids = runtime.vocab.tokenize(text, special=False)
+    if not ids:
+        raise BadRequest("The prompt is empty.", param="prompt")
+    if req.echo and req.logprobs is not None:
+        raise BadRequest("echo with logprobs is not supported", param="echo")
+    return GenerationRequest(
+        kind="completion",
+        model=runtime.model_name,
+        prompt_ids=ids,
+        max_tokens=_limit(
+            len(ids), req.token_limit, runtime.settings.completions_default_max_tokens
+        ),
+        sampling=_sampling(req),
+        stop=tuple(req.stop or []),
+        logprobs=req.logprobs is not None,
+        top_logprobs=req.logprobs or 0,
+        ignore_eos=req.ignore_eos,
+        include_usage=req.include_usage,
+        created=int(time.time()),
+        grammar=_grammar(req),
+        echo=text if req.echo else None,
+    )
+
+
+def check_model(runtime: Runtime) -> None:
+    """Refuse work when workers are up and none serves this server's model."""
+    if runtime.identity is None or not runtime.fleet().mismatch:
+        return
+    fleet = runtime.fleet(fresh=True)  # never refuse on a stale read
+    if not fleet.mismatch:
+        return
+    ours = runtime.identity
+    theirs = sorted({m.describe(): m for m in fleet.others.values()}.items())
+    served = "; ".join(f"{d}, {ours.difference(m)}" for d, m in theirs)
+    raise ModelMismatch(
+        f"This server tokenizes for {ours.describe()}, but the live workers serve "
+        f"{served}. Start the web server and the workers with the same model "
+        "(PARKQ_MODEL)."
+    )
