@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from enum import Enum
 from typing import TypeVar
 
 import numpy as np
@@ -27,7 +28,18 @@ import numpy as np
 from jobs.engine import Engine
 from jobs.generation import Generation
 
-__all__ = ["CANCEL", "PREEMPT", "Eval", "Outcome", "Run", "drive", "generate", "run_alone"]
+__all__ = [
+    "CANCEL",
+    "PREEMPT",
+    "Eval",
+    "Outcome",
+    "Run",
+    "Source",
+    "Start",
+    "drive",
+    "generate",
+    "run_alone",
+]
 
 CANCEL = 1
 PREEMPT = 2
@@ -58,6 +70,62 @@ class Outcome:
     kv_valid: bool = True
 
 
+class Source(Enum):
+    """Where a generation's KV comes from as it (re)starts on a sequence."""
+
+    #: Nothing: the prompt is prefilled.
+    FRESH = "fresh"
+    #: A checkpoint of its ``n_past`` positions is loaded.
+    CHECKPOINT = "checkpoint"
+    #: The sequence still holds them (parked in place).
+    IN_PLACE = "in_place"
+    #: None is left: the same engine calls as the original run rebuild them.
+    REPLAY = "replay"
+    #: A cached prompt prefix's KV, cut to ``keep`` positions; the rest is prefilled.
+    PREFIX = "prefix"
+    #: A sibling choice's whole prompt, with the logits after its last token.
+    SIBLING = "sibling"
+
+
+@dataclass(frozen=True)
+class Start:
+    """How a generation starts: its KV's source and what that source needs."""
+
+    source: Source
+    kv: bytes | memoryview | None = None
+    keep: int = 0
+    logits: np.ndarray | None = None
+
+    @classmethod
+    def fresh(cls) -> Start:
+        return cls(Source.FRESH)
+
+    @classmethod
+    def checkpoint(cls, kv: bytes | memoryview) -> Start:
+        return cls(Source.CHECKPOINT, kv)
+
+    @classmethod
+    def in_place(cls) -> Start:
+        return cls(Source.IN_PLACE)
+
+    @classmethod
+    def replay(cls) -> Start:
+        return cls(Source.REPLAY)
+
+    @classmethod
+    def prefix(cls, kv: bytes | memoryview, keep: int) -> Start:
+        return cls(Source.PREFIX, kv, keep)
+
+    @classmethod
+    def sibling(cls, kv: bytes | memoryview, logits: np.ndarray) -> Start:
+        return cls(Source.SIBLING, kv, logits=logits)
+
+    @property
+    def resumed(self) -> bool:
+        """A parked or moved job continuing (not a new one)."""
+        return self.source in (Source.CHECKPOINT, Source.IN_PLACE, Source.REPLAY)
+
+
 def _replay(gen: Generation, n_batch: int, emit: Emit) -> Generator[Eval, np.ndarray, int]:
     """Rebuild the KV of a generation without a checkpoint.
 
@@ -83,17 +151,10 @@ def _replay(gen: Generation, n_batch: int, emit: Emit) -> Generator[Eval, np.nda
 
 
 def drive(
-    engine: Engine,
-    gen: Generation,
-    emit: Emit,
-    n_batch: int,
-    kv: bytes | memoryview | None = None,
-    resume: bool = False,
-    ready: Callable[[], None] | None = None,
-    keep: int | None = None,
+    engine: Engine, gen: Generation, emit: Emit, n_batch: int, start: Start | None = None
 ) -> Outcome:
     """Run ``gen`` alone on sequence 0 of ``engine`` (see :func:`generate`)."""
-    return run_alone(engine, generate(engine, gen, emit, n_batch, kv, resume, ready, keep), 0)
+    return run_alone(engine, generate(engine, gen, emit, n_batch, start or Start.fresh()), 0)
 
 
 def run_alone(engine: Engine, run: Generator[Eval, np.ndarray, R], seq: int) -> R:
@@ -112,47 +173,41 @@ def generate(
     gen: Generation,
     emit: Emit,
     n_batch: int,
-    kv: bytes | memoryview | None = None,
-    resume: bool = False,
-    ready: Callable[[], None] | None = None,
-    keep: int | None = None,
+    start: Start,
     seq: int = 0,
-    in_place: bool = False,
-    prompt_logits: np.ndarray | None = None,
+    ready: Callable[[], None] | None = None,
     prefilled: Callable[[np.ndarray], None] | None = None,
 ) -> Run:
-    """Run ``gen`` on sequence ``seq`` until it finishes, is cancelled or is asked
-    to park. The KV bookkeeping (clear, restore, truncate) is done on ``engine``
-    at once; the decode calls are yielded.
+    """Run ``gen`` on sequence ``seq`` from ``start`` until it finishes, is
+    cancelled or is asked to park. The KV bookkeeping (clear, restore,
+    truncate) is done on ``engine`` at once; the decode calls are yielded.
 
-    ``kv`` restores a checkpoint of ``gen.n_past`` positions; with ``resume``
-    and no ``kv`` the positions are replayed first. ``keep`` truncates a
-    restored ``kv`` (a cached prompt prefix); ``in_place``: the sequence still
-    holds them (parked in place). ``ready`` is called once the KV cache holds
-    the positions. ``kv`` of the whole prompt with its last logits,
-    ``prompt_logits``, starts a generation without a prefill (a sibling
-    choice's prompt); ``prefilled`` is given the prompt's last logits when this
-    run computes them.
+    ``ready`` is called once the KV cache holds the start's positions;
+    ``prefilled`` is given the prompt's last logits when this run computes them.
     """
     ids = gen.request.prompt_ids
-    if not in_place:
+    if start.source is Source.PREFIX:
+        gen.n_prefilled = start.keep
+    elif start.source is Source.SIBLING:
+        gen.n_prefilled = len(ids)
+    if start.source is not Source.IN_PLACE:
         engine.clear(seq)
-        if kv is not None:
-            engine.load_seq(kv, seq)
-            if keep is not None:
-                engine.truncate(keep, seq)
-        elif resume and (flags := (yield from _replay(gen, n_batch, emit))):
+        if start.kv is not None:
+            engine.load_seq(start.kv, seq)
+            if start.source is Source.PREFIX:
+                engine.truncate(start.keep, seq)
+        elif start.source is Source.REPLAY and (flags := (yield from _replay(gen, n_batch, emit))):
             if flags & CANCEL:
                 return Outcome("cancelled", [])
             return Outcome("parked", [], kv_valid=False)
     if ready is not None:
         ready()
-    logits = prompt_logits
+    logits = start.logits
     while not gen.prefilled:
-        start = gen.n_prefilled
-        chunk = ids[start : start + n_batch]
-        logits = yield Eval(chunk, start)
-        gen.n_prefilled = start + len(chunk)
+        at = gen.n_prefilled
+        chunk = ids[at : at + n_batch]
+        logits = yield Eval(chunk, at)
+        gen.n_prefilled = at + len(chunk)
         if not gen.prefilled:
             flags = emit([])
             if flags & CANCEL:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import redis
@@ -25,9 +26,13 @@ from scheduler.state import LIVE, JobState, sources
 
 __all__ = [
     "CANCEL_EVENTS",
+    "Cancelled",
     "Claim",
     "Fenced",
+    "JobEnded",
+    "Parked",
     "QueueFull",
+    "ReapOutcome",
     "Reaped",
     "Step",
     "Store",
@@ -53,8 +58,8 @@ class Fenced(Exception):
 @dataclass(frozen=True)
 class Claim:
     job_id: str
+    #: The fencing token of this execution: every write of it must carry it.
     exec_token: str
-    previous_state: JobState
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,7 @@ class Step:
 class Reaped:
     worker: str
     job_id: str
-    outcome: str  # "requeued", "failed" or "" (the worker held no job)
+    outcome: ReapOutcome
     #: The worker's process (a process serving several sequences has one
     #: worker name per sequence; its first one is the process's own name).
     proc: str = ""
@@ -83,6 +88,41 @@ class TransitionRefused(RuntimeError):
         super().__init__(f"job {job_id}: its state does not allow {target.value}")
         self.job_id = job_id
         self.target = target
+
+
+class JobEnded(TransitionRefused):
+    """A cancel of a job that had already ended (``state``)."""
+
+    def __init__(self, job_id: str, state: JobState) -> None:
+        super().__init__(job_id, JobState.CANCELLED)
+        self.state = state
+
+
+class Cancelled(StrEnum):
+    """What a cancel did."""
+
+    #: It was waiting: it ended here, its stream closed.
+    CANCELLED = "cancelled"
+    #: It runs: its worker stops it within a step.
+    CANCELLING = "cancelling"
+
+
+class Parked(StrEnum):
+    """What a park did."""
+
+    PARKED = "parked"
+    #: A cancel came while it was parking: it ended instead.
+    CANCELLED = "cancelled"
+
+
+class ReapOutcome(StrEnum):
+    """What became of a dead worker's job."""
+
+    REQUEUED = "requeued"
+    #: It died with too many workers: it failed.
+    FAILED = "failed"
+    #: The worker held no job.
+    NONE = ""
 
 
 class Store:
@@ -171,9 +211,9 @@ class Store:
             raise QueueFull(job_id)
         return bool(done)
 
-    def cancel(self, job_id: str, now: float) -> str | None:
-        """Cancel a job. None if unknown; 'cancelled' (ended here), 'cancelling'
-        (its worker stops it within a step) or 'ended:<state>'."""
+    def cancel(self, job_id: str, now: float) -> Cancelled | None:
+        """Cancel a job: None if unknown, else what happened; :class:`JobEnded`
+        if it had already ended."""
         k = self.keys
         result = self._run(
             "cancel",
@@ -188,7 +228,23 @@ class Store:
                 *CANCEL_EVENTS,
             ],
         )
-        return None if result is None else as_text(result)
+        if result is None:
+            return None
+        outcome = as_text(result)
+        if outcome.startswith("ended:"):
+            raise JobEnded(job_id, JobState(outcome.removeprefix("ended:")))
+        return Cancelled(outcome)
+
+    def cancel_live(self, job_ids: list[str], now: float) -> dict[str, Cancelled]:
+        """Cancel those of ``job_ids`` that have not ended; what happened to each."""
+        out = {}
+        for job_id in job_ids:
+            try:
+                if (outcome := self.cancel(job_id, now)) is not None:
+                    out[job_id] = outcome
+            except JobEnded:
+                continue
+        return out
 
     def feed_batch(self, batch_id: str, window: int, score: float, now: float) -> int:
         """Queue a batch's pending lines (at ``score``) until ``window`` of them
@@ -436,8 +492,8 @@ class Store:
         )
         if not got:
             return None
-        job_id, token, previous = (as_text(x) for x in got)
-        return Claim(job_id, token, JobState(previous))
+        job_id, exec_token = as_text(got[0]), as_text(got[1])
+        return Claim(job_id, exec_token)
 
     def step(
         self,
@@ -523,8 +579,8 @@ class Store:
         checkpoint: str,
         now: float,
         holder: str | None = None,
-    ) -> str:
-        """Requeue a running job with its checkpoint; 'parked' or 'cancelled'.
+    ) -> Parked:
+        """Requeue a running job with its checkpoint (or end it, cancelled meanwhile).
         ``holder``: the process whose memory keeps the job's KV (default ``worker``)."""
         k = self.keys
         result = self._run(
@@ -543,7 +599,7 @@ class Store:
         )
         if result == -1:
             raise Fenced(job_id)
-        return as_text(result)
+        return Parked(as_text(result))
 
     def reap(self, now: float, me: str = "") -> list[Reaped]:
         """Requeue the jobs of workers whose heartbeat expired (never ``me``: a worker
@@ -571,7 +627,10 @@ class Store:
             ],
         )
         items = [as_text(x) for x in flat]
-        return [Reaped(*items[i : i + 4]) for i in range(0, len(items), 4)]
+        return [
+            Reaped(worker, job_id, ReapOutcome(outcome), proc)
+            for worker, job_id, outcome, proc in zip(*[iter(items)] * 4, strict=True)
+        ]
 
     def job_states(self, job_ids: list[str]) -> dict[str, str | None]:
         with self.r.pipeline(transaction=False) as p:

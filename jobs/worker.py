@@ -21,25 +21,37 @@ import os
 import socket
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TypeVar
 
 import numpy as np
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from jobs.batches import BatchStore
-from jobs.checkpoints import Checkpoint, CheckpointStore, PrefixCache
 from jobs.engine import Engine, EngineError
 from jobs.events import DONE, error_event
+from jobs.execution import Job, StepWriter
 from jobs.generation import Generation, GenerationRequest
 from jobs.identity import ModelIdentity
 from jobs.rqjobs import RQBridge
-from jobs.runner import CANCEL, PREEMPT, Eval, Outcome, generate
-from jobs.store import CANCEL_EVENTS, Claim, Fenced, Store, TransitionRefused
+from jobs.runner import CANCEL, PREEMPT, Eval, Outcome, Source, Start, generate
+from jobs.sequences import Sequences
+from jobs.store import (
+    CANCEL_EVENTS,
+    Claim,
+    Fenced,
+    Parked,
+    ReapOutcome,
+    Step,
+    Store,
+    TransitionRefused,
+)
 from scheduler.batching import SeqView, plan_step
-from scheduler.policy import PRIORITY_LEVELS, priority_label
+from scheduler.policy import PRIORITY_LEVELS
 from scheduler.settings import Settings
 from scheduler.state import TERMINAL, JobState
 
@@ -49,6 +61,22 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
+
+#: Fenced writes (steps, parks, finishes) through a Redis restart: back-off
+#: from 0.2 s to 2 s, about a minute in all.
+WRITE_RETRY = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=32)
+#: The loop's wait while Redis is unavailable: 0.2 s doubling to 5 s.
+LOOP_BACKOFF = ExponentialBackoff(cap=5.0, base=0.1)
+
+#: How a job's log line tells where its KV came from.
+_STARTS = {
+    Source.FRESH: "fresh",
+    Source.CHECKPOINT: "from its checkpoint",
+    Source.IN_PLACE: "from its KV, kept in place",
+    Source.REPLAY: "replaying",
+    Source.PREFIX: "{keep} prompt tokens cached",
+    Source.SIBLING: "the prompt computed by a sibling choice",
+}
 
 #: How often an idle worker looks for workers whose connections are gone.
 CONN_CHECK_SECONDS = 0.5
@@ -65,31 +93,6 @@ class Slot:
     name: str
     index: int
 
-
-@dataclass(frozen=True)
-class InPlace:
-    """A parked job whose KV stays in its engine sequence (nothing copied)."""
-
-    exec_token: str
-    n_past: int
-    seq: int
-
-
-@dataclass
-class SharedPrompt:
-    """A prompt's KV and last logits, computed by one choice of a request with
-    ``n`` > 1, for its siblings that start on this worker: they skip the prefill
-    (a copy of KV the same engine calls computed, so nothing changes)."""
-
-    tokens: tuple[int, ...]
-    kv: bytes
-    logits: np.ndarray
-    #: Siblings that may still take it.
-    left: int
-
-
-#: Shared prompts kept at once (each holds one prompt's KV).
-SHARED_PROMPTS = 8
 
 #: The engine call of a choice waiting for a sibling's prefill on this worker:
 #: none; it is asked again after the next step.
@@ -163,20 +166,15 @@ class Worker:
         n_seqs = int(getattr(engine, "n_seq_max", 1))
         n_slots = max(1, min(settings.max_seqs, n_seqs))
         self.slots = [Slot(self.name if i == 0 else f"{self.name}/{i}", i) for i in range(n_slots)]
-        self._free_seqs = list(range(n_seqs - 1, -1, -1))  # popped from the end: 0 first
-        self._in_place: OrderedDict[str, InPlace] = OrderedDict()
-        self._in_place_max = n_seqs - n_slots
+        self.kv = Sequences(
+            engine, n_seqs, n_slots, settings.checkpoint_bytes, settings.prefix_cache_bytes
+        )
         self._running: dict[int, _Running] = {}
         #: Measured: one decode call of n sequences (ms), one prefill chunk (ms).
         self._decode_ms: dict[int, float] = {}
         self._prefill_ms: float | None = None
         self._next_claim = 0.0
         self._work_waiting = False
-        self.checkpoints = CheckpointStore(settings.checkpoint_bytes)
-        self.prefixes = PrefixCache(settings.prefix_cache_bytes)
-        self._shared: OrderedDict[str, SharedPrompt] = OrderedDict()
-        #: Requests (response ids) with a choice prefilling its prompt here.
-        self._prefilling: dict[str, int] = {}
         self.stopping = threading.Event()
         self._next_beat = 0.0
         # Connection liveness: workers seen without a connection, and since when;
@@ -213,7 +211,7 @@ class Worker:
             len(self.slots),
             "" if len(self.slots) == 1 else "s",
         )
-        backoff = 0.0
+        failures = 0
         try:
             while not self.stopping.is_set() or self._running:
                 try:
@@ -227,11 +225,12 @@ class Worker:
                         self.store.wait_for_work(
                             timeout=min(CONN_CHECK_SECONDS, self.settings.heartbeat_seconds)
                         )
-                    backoff = 0.0
+                    failures = 0
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     # Redis restarting: wait and carry on (its AOF keeps the jobs).
                     self._redis_lost_at = time.time()
-                    backoff = min(5.0, backoff * 2 or 0.2)
+                    failures += 1
+                    backoff = LOOP_BACKOFF.compute(failures)
                     log.warning("worker %s: Redis unavailable (%s); retry in %.1f s",
                                 self.name, exc, backoff)  # fmt: skip
                     time.sleep(backoff)
@@ -393,20 +392,20 @@ class Worker:
         # Reap before the heartbeat: a beat must never refresh a dead worker of
         # the same name before its jobs are requeued.
         self._reap(now)
-        kv_bytes, rss = self.checkpoints.bytes, resident_bytes()
+        kv_bytes, rss = self.kv.checkpoints.bytes, resident_bytes()
         for slot in self.slots:  # the process's figures once, on its own name
             ttl = self.settings.worker_ttl
             self.store.heartbeat(slot.name, now, ttl, kv_bytes, rss, self.name)
             kv_bytes = rss = 0
         self.rq.heartbeat(int(self.settings.worker_ttl) + 60)
-        held = [*self.checkpoints.job_ids(), *self._in_place]
+        held = self.kv.held()
         if held:
             for job_id, state in self.store.job_states(held).items():
                 if state is None or JobState(state) in TERMINAL:
-                    self._drop_kept(job_id)
+                    self.kv.drop(job_id)
                     log.info("job %s: ended while parked; checkpoint freed", job_id)
-                elif state == JobState.RUNNING and job_id in self._in_place:
-                    self._drop_kept(job_id)  # resumed elsewhere: this copy is stale
+                elif state == JobState.RUNNING and job_id in self.kv.in_place:
+                    self.kv.drop(job_id)  # resumed elsewhere: this copy is stale
                     log.info("job %s: resumed elsewhere; in-place checkpoint freed", job_id)
 
     def _reap(self, now: float, previous_life: bool = False) -> None:
@@ -420,9 +419,9 @@ class Worker:
             log.warning(
                 "job %s: worker %s died; job %s", reaped.job_id, reaped.worker, reaped.outcome
             )
-            if reaped.outcome == "requeued":
+            if reaped.outcome is ReapOutcome.REQUEUED:
                 self.rq.requeued(reaped.job_id)
-            elif reaped.outcome == "failed":
+            elif reaped.outcome is ReapOutcome.FAILED:
                 self.telemetry.count("jobs_failed")
                 self.rq.ended(reaped.job_id, "failed", error="worker lost")
 
@@ -432,7 +431,7 @@ class Worker:
         if batch is not None:
             BatchStore(self.store).feed(batch)
 
-    # -- one job ----------------------------------------------------------
+    # -- one job: claim -> plan -> drive -> apply ---------------------------
 
     def _execution(
         self, slot: Slot, claim: Claim, running: _Running
@@ -441,29 +440,33 @@ class Worker:
         yields the engine calls of its generation. Its engine sequence is freed
         at the end, unless it keeps a job parked in place."""
         try:
-            yield from self._job(slot, claim, running)
+            job = self._read(slot, claim)
+            if job is None:
+                return
+            running.key, running.interactive = job.key, job.interactive
+            start = yield from self._plan(job, running)
+            outcome = yield from self._drive(job, running, start)
+            if outcome is not None:
+                self._apply(job, running, outcome)
         finally:
-            self._prefilled(running)
+            self._not_sharing(running)
             if running.seq >= 0 and not running.kept:
-                self._release_seq(running.seq)
+                self.kv.release(running.seq)
 
-    def _job(
-        self, slot: Slot, claim: Claim, running: _Running
-    ) -> Generator[Eval, np.ndarray, None]:
-        t_claim = time.perf_counter()
-        job_id, token = claim.job_id, claim.exec_token
+    def _read(self, slot: Slot, claim: Claim) -> Job | None:
+        """The claimed job and its generation state (None: nothing to run)."""
+        job_id = claim.job_id
         # Between the claim and the first fenced write nothing may drop the job on
         # a Redis blip: it would stay `running` on this live worker forever.
         record = self._retrying(lambda: self.store.get(job_id))
         if record is None:
-            return
+            return None
         if not self._retrying(lambda: self.rq.allowed(job_id)):
             log.warning("job %s: refused, not a parkq job", job_id)
-            self._fail(slot, claim, "refused: not a parkq job", "invalid_job")
-            return
+            self._fail(slot.name, claim, "refused: not a parkq job", "invalid_job")
+            return None
         request = GenerationRequest.from_json(json.loads(record["request"]))
         saved = record.get("checkpoint")
-        resume = saved is not None or int(record.get("seq", "0")) > 0
         e = self.engine
         if saved is not None:
             gen = Generation.restore(
@@ -471,235 +474,162 @@ class Worker:
             )
         else:
             gen = Generation(job_id, request, e.token_bytes, e.is_eog, e.constraint)
-        kv, in_place = self._kv_for(job_id, record, gen, running)
-        seq = running.seq
-        keep = None
-        shared = None
-        if not resume and request.choices > 1:
-            # One of several choices: take a sibling's prompt, or wait while a
-            # sibling here computes it, or compute it for them.
-            while (shared := self._take_shared(request)) is None:
-                if not self._prefilling.get(request.response_id):
-                    running.sharing = request.response_id
-                    self._prefilling[running.sharing] = 1 + self._prefilling.get(running.sharing, 0)
+        detached = record.get("detached_at")
+        return Job(
+            slot=slot.name,
+            claim=claim,
+            request=request,
+            gen=gen,
+            level=int(record.get("priority", "0")),
+            key=-float(record["score"]),
+            created_at=float(record["created_at"]),
+            detached_at=float(detached) if detached else None,
+            resumed=saved is not None or int(record.get("seq", "0")) > 0,
+            ckpt_exec=record.get("ckpt_exec"),
+        )
+
+    def _plan(self, job: Job, running: _Running) -> Generator[Eval, np.ndarray, Start]:
+        """Where the job's KV comes from: kept on this worker, replayed, a
+        sibling choice's prompt (waiting while a sibling here computes it), a
+        cached prompt prefix, or nothing."""
+        gen, request = job.gen, job.request
+        kept = self.kv.take(job.job_id, job.ckpt_exec, gen.n_past)
+        running.seq = kept.seq
+        if job.resumed:
+            if kept.in_place:
+                return Start.in_place()
+            return Start.replay() if kept.kv is None else Start.checkpoint(kept.kv)
+        if request.choices > 1:
+            while (shared := self.kv.take_shared(request)) is None:
+                if not self.kv.sibling_prefilling(request):
+                    running.sharing = request.response_id  # it computes it for them
+                    self.kv.prefill_started(running.sharing)
                     break
                 yield WAIT
-        if shared is not None:
-            kv = shared.kv
-            gen.n_prefilled = len(request.prompt_ids)
-            self._metric(lambda: self.telemetry.count("prompt_tokens_shared", gen.n_prefilled))
-        elif not resume and (hit := self.prefixes.best(request.prompt_ids, self.settings.n_batch)):
-            kv, keep = hit[0].kv, hit[1]
-            gen.n_prefilled = keep
+            if shared is not None:
+                n = len(request.prompt_ids)
+                self._metric(lambda: self.telemetry.count("prompt_tokens_shared", n))
+                return Start.sibling(shared.kv, shared.logits.copy())
+        if hit := self.kv.prefixes.best(request.prompt_ids, self.settings.n_batch):
+            entry, keep = hit
             self._metric(lambda: self.telemetry.record(prefix_hit_tokens=keep))
+            return Start.prefix(entry.kv, keep)
+        return Start.fresh()
+
+    def _drive(
+        self, job: Job, running: _Running, start: Start
+    ) -> Generator[Eval, np.ndarray, Outcome | None]:
+        """Run the generation; its outcome (None: superseded or failed here)."""
+        job_id, gen = job.job_id, job.gen
         log.info(
             "job %s: %s on %s (%d prompt tokens, %d generated, %s)",
             job_id,
-            "resuming" if resume else "running",
-            slot.name,
-            len(request.prompt_ids),
+            "resuming" if job.resumed else "running",
+            job.slot,
+            len(job.request.prompt_ids),
             len(gen.generated),
-            "from its KV, kept in place"
-            if in_place
-            else "the prompt computed by a sibling choice"
-            if shared is not None
-            else "from its checkpoint"
-            if kv is not None and keep is None
-            else "replaying"
-            if resume
-            else f"{keep} prompt tokens cached"
-            if keep
-            else "fresh",
+            _STARTS[start.source].format(keep=start.keep),
         )
         self.rq.started(job_id, int(self.settings.worker_ttl) + 60)
-        since = time.time()
-        my_key = -float(record["score"])
-        request_level = int(record.get("priority", "0"))
-        running.key = my_key
-        running.interactive = request_level > PRIORITY_LEVELS["batch"]
-        last_check: dict[str, float | None] = {"head": None, "at": 0.0}
-
-        timing = {"last": 0.0}
-        gone = {"yes": False}
-        detached = record.get("detached_at")
-        if detached and self._abandoned(request_level, float(detached)):
+        if job.detached_at is not None and self._abandoned(job.level, job.detached_at):
             log.info("job %s: its client left before it ran", job_id)
-            self._end(slot, claim, gen, Outcome("cancelled", []), client_gone=True)
-            return
-
-        # Tokens of steps faster than the write interval wait here for one write:
-        # a Redis round trip per 0.2 ms step would cost more than the step, and
-        # on a busy machine each one waits for a time slice.
-        unwritten: list[str] = []
-        write_at = {"t": 0.0}
-
-        def emit(payloads: list[str]) -> int:
-            self.beat(force=False)
-            now_m = time.monotonic()
-            if now_m < write_at["t"] and not self.stopping.is_set():
-                unwritten.extend(payloads)
-                return 0
-            write_at["t"] = now_m + self.settings.write_interval_seconds
-            payloads = [*unwritten, *payloads]
-            unwritten.clear()
-            first = gen.events - len(payloads) + 1
-            latency = None
-            if payloads:
-                now = time.time()
-                if timing["last"]:  # per event, when a write carries several steps
-                    latency = (now - timing["last"]) * 1000 / len(payloads)
-                elif first == 1:  # the job's first event: its time to first token
-                    ttft = (now - float(record["created_at"])) * 1000
-                    label = f"ttft_ms:{priority_label(request_level)}"
-                    self._metric(lambda: self.telemetry.observe(label, ttft))
-                timing["last"] = now
-            step = self._retrying(
-                lambda: self.store.step(
-                    job_id, token, slot.name, len(gen.generated), first, payloads, latency
-                )
-            )
-            if step.head_key is not None:
-                self._work_waiting = True
-            if self.stopping.is_set():
-                # Shutting down: park (at the next step), so another worker resumes it.
-                if not step.flags & (CANCEL | PREEMPT):
-                    self.store.request_park(slot.name)
-                return step.flags
-            if step.detached_at is not None and self._abandoned(request_level, step.detached_at):
-                gone["yes"] = True
-                return CANCEL
-            if not self.settings.preempt:
-                return step.flags & ~PREEMPT
-            if step.flags == 0 and step.head_key is not None:
-                head = step.head_key
-                self._metric(lambda: self._check_preempt(head, my_key, since, last_check))
-            return step.flags
+            job.client_gone = True
+            return Outcome("cancelled", [])
+        writer = StepWriter(job, self.settings, self._observe)
 
         def ready() -> None:
-            if resume and (kv is not None or in_place):  # resumed from a checkpoint
-                resume_ms = (time.perf_counter() - t_claim) * 1000
+            if start.source in (Source.CHECKPOINT, Source.IN_PLACE):
+                resume_ms = (time.perf_counter() - job.claimed_at) * 1000
                 self._metric(lambda: self.telemetry.record(resume_ms=resume_ms))
                 self._metric(lambda: self.telemetry.observe("resume_ms", resume_ms))
+
+        def share(logits: np.ndarray) -> None:
+            self._not_sharing(running)
+            self.kv.share(job.request, running.seq, logits)
 
         try:
             outcome = yield from generate(
                 self.engine,
                 gen,
-                emit,
+                partial(self._emit, job, writer),
                 self.settings.n_batch,
-                kv=kv,
-                resume=resume,
+                start,
+                running.seq,
                 ready=ready,
-                keep=keep,
-                seq=seq,
-                in_place=in_place,
-                prompt_logits=None if shared is None else shared.logits.copy(),
-                prefilled=(lambda logits: self._share(running, request, logits))
-                if running.sharing
-                else None,
+                prefilled=share if running.sharing else None,
             )
         except Fenced:
-            log.warning("job %s: execution %s was superseded; dropping it", job_id, token)
-            return
+            log.warning("job %s: execution %s was superseded; dropping it", job_id,
+                        job.claim.exec_token)  # fmt: skip
+            return None
         except (EngineError, ValueError) as exc:
             log.exception("job %s: engine error", job_id)
-            self._fail(slot, claim, f"engine error: {exc}", "engine_error")
-            return
-        if outcome.state == "parked":
-            self._park(slot, claim, gen, running, with_kv=outcome.kv_valid)
-            return
-        if unwritten:  # the last steps' tokens go out with the final events
-            outcome = Outcome(outcome.state, [*unwritten, *outcome.payloads])
-        self._end(slot, claim, gen, outcome, client_gone=gone["yes"])
-        # Keep the prompt's KV for a request that starts the same way (the next turn).
-        long_prompt = len(request.prompt_ids) >= 2 * self.settings.n_batch
-        if outcome.state == "finished" and long_prompt and self.prefixes.budget:
-            self.prefixes.put(request.prompt_ids, self.engine.save_seq(seq))
-
-    # -- a request's choices share its prompt -----------------------------
-
-    def _take_shared(self, request: GenerationRequest) -> SharedPrompt | None:
-        shared = self._shared.get(request.response_id)
-        if shared is None or shared.tokens != tuple(request.prompt_ids):
+            self._fail(job.slot, job.claim, f"engine error: {exc}", "engine_error")
             return None
-        shared.left -= 1
-        if shared.left <= 0:
-            del self._shared[request.response_id]
-        return shared
+        if writer.unwritten and outcome.state != "parked":
+            # The last steps' tokens go out with the final events.
+            outcome = Outcome(outcome.state, [*writer.unwritten, *outcome.payloads])
+        return outcome
 
-    def _share(self, running: _Running, request: GenerationRequest, logits: np.ndarray) -> None:
-        """``running`` computed its request's prompt: keep it for the siblings."""
-        self._prefilled(running)
-        kv = bytes(self.engine.save_seq(running.seq))
-        tokens = tuple(request.prompt_ids)
-        left = request.choices - 1
-        self._shared[request.response_id] = SharedPrompt(tokens, kv, logits.copy(), left)
-        while len(self._shared) > SHARED_PROMPTS:
-            self._shared.popitem(last=False)
+    def _apply(self, job: Job, running: _Running, outcome: Outcome) -> None:
+        """Record how the generation ended: parked, or finished or cancelled."""
+        if outcome.state == "parked":
+            self._park(job, running, with_kv=outcome.kv_valid)
+            return
+        self._end(job, outcome)
+        # Keep the prompt's KV for a request that starts the same way (the next turn).
+        prompt = job.request.prompt_ids
+        long_prompt = len(prompt) >= 2 * self.settings.n_batch
+        if outcome.state == "finished" and long_prompt and self.kv.prefixes.budget:
+            self.kv.prefixes.put(prompt, self.engine.save_seq(running.seq))
 
-    def _prefilled(self, running: _Running) -> None:
+    def _not_sharing(self, running: _Running) -> None:
         """``running`` no longer computes a prompt for its siblings."""
         if running.sharing:
-            left = self._prefilling.pop(running.sharing, 1) - 1
-            if left > 0:
-                self._prefilling[running.sharing] = left
+            self.kv.prefill_ended(running.sharing)
             running.sharing = ""
 
-    # -- KV: engine sequences, kept in place or copied out ------------------
+    # -- a job's steps --------------------------------------------------------
 
-    def _kv_for(
-        self, job_id: str, record: dict[str, str], gen: Generation, running: _Running
-    ) -> tuple[bytes | memoryview | None, bool]:
-        """Give ``running`` an engine sequence: the one that kept the job's KV in
-        place (then True), else a free one and the job's RAM checkpoint, if any."""
-        entry = self._in_place.pop(job_id, None)
-        if entry is not None:
-            if entry.exec_token == record.get("ckpt_exec") and entry.n_past == gen.n_past:
-                running.seq = entry.seq
-                return None, True
-            log.warning("job %s: stale in-place checkpoint discarded", job_id)
-            self._release_seq(entry.seq)
-        running.seq = self._acquire_seq()
-        return self._checkpoint_for(job_id, record, gen), False
+    def _emit(self, job: Job, writer: StepWriter, payloads: list[str]) -> int:
+        """A step's payloads: written now or with a later step; the flags that
+        steer the generation (CANCEL, PREEMPT)."""
+        self.beat(force=False)
+        write = writer.take(payloads, self.stopping.is_set())
+        if write is None:
+            return 0
+        c, tokens = job.claim, len(job.gen.generated)
+        step = self._retrying(
+            lambda: self.store.step(
+                c.job_id, c.exec_token, job.slot, tokens, write.first, write.payloads,
+                write.latency_ms,
+            )
+        )  # fmt: skip
+        return self._control(job, step)
 
-    def _acquire_seq(self) -> int:
-        if not self._free_seqs:  # every spare sequence keeps a parked job: copy one out
-            self._swap_out()
-        return self._free_seqs.pop()
+    def _observe(self, histogram: str, value_ms: float) -> None:
+        self._metric(lambda: self.telemetry.observe(histogram, value_ms))
 
-    def _release_seq(self, seq: int) -> None:
-        self.engine.clear(seq)
-        self._free_seqs.append(seq)
+    def _control(self, job: Job, step: Step) -> int:
+        """What a step write read back: a waiting job (claim soon), shutdown (park,
+        so another worker resumes it), a client gone, a cancel or a park."""
+        if step.head_key is not None:
+            self._work_waiting = True
+        if self.stopping.is_set():
+            if not step.flags & (CANCEL | PREEMPT):
+                self.store.request_park(job.slot)  # parked at the next step
+            return step.flags
+        if step.detached_at is not None and self._abandoned(job.level, step.detached_at):
+            job.client_gone = True
+            return CANCEL
+        if not self.settings.preempt:
+            return step.flags & ~PREEMPT
+        if step.flags == 0 and step.head_key is not None:
+            head = step.head_key
+            self._metric(lambda: self._check_preempt(job, head))
+        return step.flags
 
-    def _swap_out(self) -> None:
-        """Copy the oldest job parked in place to the RAM checkpoint store; free
-        its sequence."""
-        job_id, entry = self._in_place.popitem(last=False)
-        kv = self.engine.save_seq(entry.seq)
-        self.checkpoints.put(job_id, Checkpoint(entry.exec_token, entry.n_past, bytes(kv)))
-        self._release_seq(entry.seq)
-        log.info("job %s: parked KV copied out of the engine (%d bytes)", job_id, len(kv))
-
-    def _drop_kept(self, job_id: str) -> None:
-        self.checkpoints.drop(job_id)
-        entry = self._in_place.pop(job_id, None)
-        if entry is not None:
-            self._release_seq(entry.seq)
-
-    def _checkpoint_for(
-        self, job_id: str, record: dict[str, str], gen: Generation
-    ) -> bytes | memoryview | None:
-        checkpoint = self.checkpoints.take(job_id)
-        if checkpoint is None:
-            return None
-        if checkpoint.exec_token != record.get("ckpt_exec") or checkpoint.n_past != gen.n_past:
-            log.warning("job %s: stale checkpoint discarded", job_id)
-            return None
-        return checkpoint.kv
-
-    def _check_preempt(
-        self, head_key: float, my_key: float, since: float, last: dict[str, float | None]
-    ) -> None:
+    def _check_preempt(self, job: Job, head_key: float) -> None:
         """A better job waits: once this runner is preemptible, pick the victim.
 
         The enqueuer flags a victim at once when one is ripe; this covers the
@@ -708,59 +638,46 @@ class Worker:
         """
         policy = self.store.preempt_policy
         now = time.time()
-        if not policy.beats(head_key, my_key) or not policy.ripe(since, now):
+        if not policy.beats(head_key, job.key) or not policy.ripe(job.started_at, now):
             return
-        at = last["at"] or 0.0
-        if last["head"] == head_key and now - at < 0.1:
+        if job.checked_head == head_key and now - job.checked_at < 0.1:
             return
-        last["head"], last["at"] = head_key, now
+        job.checked_head, job.checked_at = head_key, now
         self.store.maybe_preempt(now)
 
-    def _park(
-        self, slot: Slot, claim: Claim, gen: Generation, running: _Running, with_kv: bool = True
-    ) -> None:
-        """Record the park. The KV stays in its engine sequence while a spare one
-        is left (nothing copied), else it is copied to the RAM checkpoint store;
-        without KV (a park during a replay) the job resumes by replay."""
-        job_id = claim.job_id
+    def _park(self, job: Job, running: _Running, with_kv: bool = True) -> None:
+        """Record the park and keep the KV (in its sequence, or copied out; see
+        :class:`Sequences`); without KV (a park during a replay) the job resumes
+        by replay."""
+        job_id, claim, gen = job.job_id, job.claim, job.gen
         t0 = time.perf_counter()
-        in_place = with_kv and self._in_place_max > 0
-        kv = self.engine.save_seq(running.seq) if with_kv and not in_place else b""
         state = json.dumps(gen.state(), separators=(",", ":"))
         try:
             outcome = self._retrying(
                 lambda: self.store.park(
-                    job_id, claim.exec_token, slot.name, state, time.time(), self.name
+                    job_id, claim.exec_token, job.slot, state, time.time(), self.name
                 )
             )
         except Fenced:
             return
-        if outcome == "parked":
-            if in_place:
-                self._in_place[job_id] = InPlace(claim.exec_token, gen.n_past, running.seq)
-                running.kept = True
-                while len(self._in_place) > self._in_place_max:
-                    self._swap_out()
-            elif kv:
-                self.checkpoints.put(job_id, Checkpoint(claim.exec_token, gen.n_past, kv))
-            park_ms = (time.perf_counter() - t0) * 1000
-            self._metric(lambda: self.telemetry.record(park_ms=park_ms, checkpoint_bytes=len(kv)))
-            self._metric(lambda: self.telemetry.observe("park_ms", park_ms))
-            self._metric(lambda: self.telemetry.count("preemptions"))
-            n = len(gen.generated)
-            self._metric(lambda: self.telemetry.log_preemption(job_id, slot.name, n, park_ms))
-            self.rq.requeued(job_id)
-            log.info(
-                "job %s: parked after %d tokens (%s, %.1f ms)",
-                job_id,
-                len(gen.generated),
-                "KV kept in place" if in_place else f"{len(kv)} KV bytes",
-                park_ms,
-            )
-        else:
+        if outcome is not Parked.PARKED:
             self.telemetry.count("jobs_cancelled")
             self.rq.ended(job_id, "canceled")
             log.info("job %s: cancelled while parking", job_id)
+            return
+        size = 0
+        if with_kv:
+            size = self.kv.park(job_id, claim.exec_token, gen.n_past, running.seq)
+            running.kept = size == 0
+        park_ms = (time.perf_counter() - t0) * 1000
+        self._metric(lambda: self.telemetry.record(park_ms=park_ms, checkpoint_bytes=size))
+        self._metric(lambda: self.telemetry.observe("park_ms", park_ms))
+        self._metric(lambda: self.telemetry.count("preemptions"))
+        n = len(gen.generated)
+        self._metric(lambda: self.telemetry.log_preemption(job_id, job.slot, n, park_ms))
+        self.rq.requeued(job_id)
+        kept = "KV kept in place" if running.kept else f"{size} KV bytes"
+        log.info("job %s: parked after %d tokens (%s, %.1f ms)", job_id, n, kept, park_ms)
 
     def _metric(self, call: Callable[[], object]) -> None:
         """A measurement or a hint (not the job's own data): skipped on a Redis blip."""
@@ -770,34 +687,19 @@ class Worker:
             log.warning("worker %s: a measurement was dropped (%s)", self.name, exc)
 
     def _retrying(self, call: Callable[[], T]) -> T:
-        """A write that survives a Redis restart: retried for up to 60 s. Steps
-        and finishes are safe to repeat (events are numbered, writes fenced)."""
-        deadline = time.monotonic() + 60
-        delay = 0.1
-        while True:
-            try:
-                return call()
-            except (redis.ConnectionError, redis.TimeoutError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(2.0, delay * 2)
+        """A write that survives a Redis restart: retried for about a minute
+        (redis-py's ``Retry``). Steps and finishes are safe to repeat (events
+        are numbered, writes fenced)."""
+        return WRITE_RETRY.call_with_retry(call, lambda exc: None)
 
     def _abandoned(self, level: int, detached_at: float) -> bool:
         """An interactive job whose readers left longer ago than the grace period."""
         grace = self.settings.disconnect_grace_seconds
         return level > PRIORITY_LEVELS["batch"] and time.time() - detached_at > grace
 
-    def _end(
-        self,
-        slot: Slot,
-        claim: Claim,
-        gen: Generation,
-        outcome: Outcome,
-        client_gone: bool = False,
-    ) -> None:
-        job_id = claim.job_id
-        if outcome.state == "cancelled" and client_gone:
+    def _end(self, job: Job, outcome: Outcome) -> None:
+        job_id, claim, gen = job.job_id, job.claim, job.gen
+        if outcome.state == "cancelled" and job.client_gone:
             message = "The client disconnected and did not come back within the grace period."
             payloads = [error_event(message, "cancelled", "client_disconnected"), DONE]
             fields = {"finish_reason": "client_gone", "tokens": str(len(gen.generated))}
@@ -819,7 +721,7 @@ class Worker:
         try:
             self._retrying(
                 lambda: self.store.finish(
-                    job_id, claim.exec_token, slot.name, state, fields, first, payloads, time.time()
+                    job_id, claim.exec_token, job.slot, state, fields, first, payloads, time.time()
                 )
             )
         except Fenced:
@@ -840,13 +742,13 @@ class Worker:
             len(gen.generated),
         )
 
-    def _fail(self, slot: Slot, claim: Claim, message: str, code: str) -> None:
+    def _fail(self, slot: str, claim: Claim, message: str, code: str) -> None:
         payloads = [error_event(message, "server_error", code), DONE]
         try:
             self.store.finish(
                 claim.job_id,
                 claim.exec_token,
-                slot.name,
+                slot,
                 JobState.FAILED,
                 {"error": message},
                 0,

@@ -76,5 +76,7 @@ class Policy:
         return -self.key(level, enqueued_at)
 
     def effective(self, level: int, enqueued_at: float, now: float) -> float:
-        """Effective priority at ``now`` (for display; ordering uses :meth:`key`)."""
+        """Effective priority at ``now``, as the policy defines it. Nothing orders
+        by it: :meth:`key` is static and orders the same at every instant, which
+        tests/unit/test_policy.py checks against this definition."""
         return self.key(level, enqueued_at) + self.aging_rate * now

@@ -14,7 +14,7 @@ from jobs.batches import BatchStore
 from jobs.generation import GenerationRequest
 from jobs.identity import ModelIdentity
 from jobs.prompts import chat_ids
-from jobs.store import QueueFull
+from jobs.store import Cancelled, JobEnded, QueueFull
 from scheduler.state import TERMINAL, JobState
 from web.errors import (
     BadRequest,
@@ -60,8 +60,8 @@ def _submit(prefix: str, gen: GenerationRequest, level: int, n: int = 1) -> str:
                 )
                 queued.append(_enqueue(choice_id(response_id, i), choice, level))
         except TooManyRequests:
-            for job_id in queued:  # all choices or none
-                runtime.store.cancel(job_id, time.time())
+            runtime.store.cancel_live(queued, time.time())  # all choices or none
+            for job_id in queued:
                 runtime.rq.canceled(job_id)
             raise
     if runtime.settings.preempt:
@@ -314,26 +314,31 @@ def job_events(job_id: str) -> Any:
 @bp.delete("/v1/jobs/<job_id>")
 def cancel_job(job_id: str) -> Any:
     """Cancel a job (for a request with ``n`` > 1, every choice)."""
-    jobs = _jobs(job_id)
-    results = [_cancel(j) for j in jobs]
-    if all(r.startswith("ended:") for r in results):
-        state = _overall([r.removeprefix("ended:") for r in results])
+    outcomes: list[Cancelled] = []
+    ended: list[str] = []
+    for j in _jobs(job_id):
+        try:
+            outcomes.append(_cancel(j))
+        except JobEnded as exc:
+            ended.append(exc.state.value)
+    if not outcomes:
+        state = _overall(ended)
         raise Conflict(f"Job '{job_id}' has already ended ({state}).", code="job_ended")
-    if "cancelling" in results:
+    if Cancelled.CANCELLING in outcomes:
         current_app.logger.info("job %s: cancel requested while running", job_id)
         return jsonify({"id": job_id, "object": "job", "state": "cancelling"}), 202
     return jsonify({"id": job_id, "object": "job", "state": "cancelled"})
 
 
-def _cancel(job_id: str) -> str:
-    """Cancel one job: "cancelled", "cancelling" (it runs) or "ended:<state>"."""
+def _cancel(job_id: str) -> Cancelled:
+    """Cancel one job (:class:`JobEnded` if it has ended)."""
     runtime = current()
     result = runtime.store.cancel(job_id, time.time())
     if result is None:
         raise NotFound(f"No job with id '{job_id}'.", param="job_id")
     if (batch := runtime.store.batch_of(job_id)) is not None:
         BatchStore(runtime.store).feed(batch)  # its place in the batch's window is free
-    if result == "cancelled":
+    if result is Cancelled.CANCELLED:
         runtime.store.telemetry.count("jobs_cancelled")
         runtime.rq.canceled(job_id)
         current_app.logger.info("job %s: cancelled while waiting", job_id)

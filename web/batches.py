@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from jobs.batches import BatchStore, Item, new_id
 from jobs.events import DONE
 from jobs.generation import GenerationRequest
+from jobs.store import Cancelled
 from scheduler.state import JobState
 from web.errors import APIError, BadRequest, Conflict, NotFound, PayloadTooLarge
 from web.intake import chat_job, check_model, completion_job, read_body
@@ -487,8 +488,9 @@ def cancel_batch(batch_id: str) -> Any:
         dropped = batches.drop_pending(batch_id)
         for job_id in dropped:
             runtime.rq.canceled(job_id)
-        for job_id in batches.live_jobs(batch_id):
-            if runtime.store.cancel(job_id, now) == "cancelled":
+        cancelled = runtime.store.cancel_live(batches.live_jobs(batch_id), now)
+        for job_id, outcome in cancelled.items():
+            if outcome is Cancelled.CANCELLED:
                 runtime.store.telemetry.count("jobs_cancelled")
                 runtime.rq.canceled(job_id)
         current_app.logger.info(

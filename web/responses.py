@@ -61,8 +61,7 @@ def _choices_stream(jobs: list[str], after: list[int], gone: Callable[[], bool])
             if failed:
                 continue
             failed = True
-            for job_id in jobs:
-                runtime.store.cancel(job_id, time.time())
+            runtime.store.cancel_live(jobs, time.time())
         yield sse.frame(_event_id(last), data)
     if len(ended) < len(jobs):
         return  # the client left
@@ -126,8 +125,7 @@ def aggregate(response_id: str, jobs: list[str], gen: GenerationRequest) -> dict
         try:
             chunks = _collect(job_id)
         except APIError:
-            for other in jobs:
-                store.cancel(other, time.time())
+            store.cancel_live(jobs, time.time())
             raise
         record = store.get(job_id) or {}
         usage = json.loads(record.get("usage", "null"))

@@ -9,7 +9,7 @@
 -- model: its token ids mean nothing to this one.
 -- A parked job whose checkpoint lives in another live worker process is left to
 -- that process for `affinity seconds` after it was parked; then anyone may take it.
--- Returns {id, execution token, previous state} or false when nothing fits.
+-- Returns {id, execution token} or false when nothing fits.
 local claimable = state_set(ARGV[4])
 local now = tonumber(ARGV[3])
 local affinity = tonumber(ARGV[5])
@@ -43,7 +43,7 @@ for _, id in ipairs(top) do
                  'pinned', ARGV[7])
       redis.call('HDEL', KEYS[2], 'preempt')
       redis.call('ZADD', KEYS[3], key, ARGV[2])
-      return {id, tostring(exec), state}
+      return {id, tostring(exec)}
     end
   end
 end

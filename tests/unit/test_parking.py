@@ -7,7 +7,7 @@ import json
 import pytest
 
 from jobs.generation import Generation, GenerationRequest
-from jobs.runner import PREEMPT, drive
+from jobs.runner import PREEMPT, Start, drive
 from jobs.sampling import SamplingParams
 from tests.fakes import FakeEngine
 
@@ -41,8 +41,7 @@ def _run_parked(
     gen = Generation("job", req, engine.token_bytes, engine.is_eog)
     out: list[str] = []
     calls = {"n": 0}
-    kv = None
-    resume = False
+    start = Start.fresh()
     parks = 0
 
     def emit(payloads: list[str]) -> int:
@@ -51,11 +50,11 @@ def _run_parked(
         return PREEMPT if calls["n"] in park_at else 0
 
     while True:
-        outcome = drive(engine, gen, emit, n_batch, kv=kv, resume=resume)
+        outcome = drive(engine, gen, emit, n_batch, start)
         if outcome.state != "parked":
             break
         parks += 1
-        kv = engine.save_seq() if keep_kv else None
+        start = Start.checkpoint(engine.save_seq()) if keep_kv else Start.replay()
         # Another job uses the engine meanwhile.
         other = Generation(
             "other", _request(b"zz", max_tokens=5), engine.token_bytes, engine.is_eog
@@ -63,7 +62,6 @@ def _run_parked(
         drive(engine, other, lambda p: 0, n_batch)
         state = json.loads(json.dumps(gen.state()))
         gen = Generation.restore("job", req, engine.token_bytes, engine.is_eog, state)
-        resume = True
     return gen.generated, out + outcome.payloads, parks
 
 
@@ -126,6 +124,6 @@ def test_a_cached_prompt_prefix_changes_nothing() -> None:
     gen.n_prefilled = keep
     out: list[str] = []
     engine.calls.clear()
-    outcome = drive(engine, gen, lambda p: out.extend(p) or 0, 4, kv=entry.kv, keep=keep)
+    outcome = drive(engine, gen, lambda p: out.extend(p) or 0, 4, Start.prefix(entry.kv, keep))
     assert (gen.generated, out + outcome.payloads) == cold
     assert engine.calls[0] == (4, 36)  # prefill resumed after the cached chunks

@@ -3,7 +3,7 @@ import pytest
 
 from jobs.events import DONE
 from jobs.identity import ModelIdentity
-from jobs.store import Fenced, Store
+from jobs.store import Fenced, JobEnded, Store
 from scheduler.settings import Settings
 from scheduler.state import JobState
 
@@ -29,7 +29,7 @@ def test_enqueue_refuses_a_taken_id(store: Store) -> None:
 def test_claim_marks_running_with_a_fresh_execution_token(store: Store) -> None:
     _enqueue(store, "a", 0, 1.0)
     claim = store.claim("w1", 5.0)
-    assert claim is not None and claim.previous_state is JobState.QUEUED
+    assert claim is not None and claim.job_id == "a"
     rec = store.get("a")
     assert rec is not None
     assert rec["state"] == "running" and rec["worker"] == "w1" and rec["exec"] == claim.exec_token
@@ -73,7 +73,9 @@ def test_cancel_queued_job_ends_its_stream_and_it_never_runs(store: Store) -> No
     assert store.claim("w", 3.0) is None
     events = store.events_after("a", 0)
     assert '"job_cancelled"' in events[0][1] and events[-1] == (2, DONE)
-    assert store.cancel("a", 4.0) == "ended:cancelled"
+    with pytest.raises(JobEnded) as ended:
+        store.cancel("a", 4.0)
+    assert ended.value.state is JobState.CANCELLED
     assert store.cancel("nope", 4.0) is None
 
 
