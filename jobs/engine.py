@@ -61,17 +61,17 @@ def _quiet() -> None:
     llama_cpp.llama_log_set(_NULL_LOG, ctypes.c_void_p(0))
 
 
-@llama_cpp.llama_log_callback
-def _NULL_LOG(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+def _null_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     return None
+
+
+_NULL_LOG: Any = llama_cpp.llama_log_callback(_null_log)
 
 
 def build_info() -> str:
     """llama.cpp's build and the CPU features it uses here (its system info line)."""
-    return (
-        f"llama-cpp-python {llama_cpp.__version__}; "
-        + llama_cpp.llama_print_system_info().decode(errors="replace")
-    )
+    info: bytes = llama_cpp.llama_print_system_info()
+    return f"llama-cpp-python {llama_cpp.__version__}; " + info.decode(errors="replace")
 
 
 def set_llama_extra_buffers(on: bool) -> None:
@@ -197,7 +197,7 @@ class Vocab:
             tokens.append(text if text else b"\xff" + (self.piece(t) or b"<special>"))
         eog = [t for t in range(self.n_vocab) if self.is_eog(t)] or [self.eos]
         tokenize = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
-        return LLTokenizer.from_llamacpp(
+        return LLTokenizer.from_llamacpp(  # type: ignore[attr-defined]  # not in its stubs
             tokens=tokens, vocab_ptr=self._vocab, tokenize_fptr=tokenize, eos_token=eog
         )
 
@@ -231,13 +231,13 @@ class Vocab:
             return llama_chat_format.Jinja2ChatFormatter(
                 template=template, eos_token=eos, bos_token=bos, stop_token_ids=[self.eos]
             )
-        handler = llama_chat_format.LlamaChatCompletionHandlerRegistry()
+        handler = llama_chat_format.LlamaChatCompletionHandlerRegistry()  # type: ignore[no-untyped-call]
         try:
             completion_handler = handler.get_chat_completion_handler_by_name(name)
         except ValueError:
             raise ValueError(f"unknown chat format {name!r}") from None
         # Registered formats wrap a ChatFormatter; take it back out of the closure.
-        for cell in completion_handler.__closure__ or ():
+        for cell in getattr(completion_handler, "__closure__", None) or ():
             value = cell.cell_contents
             if callable(value) and getattr(value, "__name__", "").startswith("format_"):
                 return value
@@ -303,8 +303,8 @@ class LlamaEngine(Vocab):
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
-        self.ctx.close()
-        self.model.close()
+        self.ctx.close()  # type: ignore[no-untyped-call]
+        self.model.close()  # type: ignore[no-untyped-call]
 
     def clear(self, seq: int = 0) -> None:
         """Forget a sequence's positions (every sequence's with ``seq`` -1)."""
@@ -481,7 +481,7 @@ class LlamaEngine(Vocab):
         n = llama_cpp.llama_state_seq_get_data(
             self.ctx.ctx, out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, seq
         )
-        return memoryview(out[:n])
+        return out[:n].data
 
     def load_seq(self, data: bytes | memoryview, seq: int = 0) -> None:
         view = np.frombuffer(data, dtype=np.uint8)

@@ -690,7 +690,8 @@ class Worker:
         """A write that survives a Redis restart: retried for about a minute
         (redis-py's ``Retry``). Steps and finishes are safe to repeat (events
         are numbered, writes fenced)."""
-        return WRITE_RETRY.call_with_retry(call, lambda exc: None)
+        result: T = WRITE_RETRY.call_with_retry(call, lambda exc: None)
+        return result
 
     def _abandoned(self, level: int, detached_at: float) -> bool:
         """An interactive job whose readers left longer ago than the grace period."""

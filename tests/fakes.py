@@ -65,8 +65,12 @@ class FakeEngine(FakeVocab):
     def save_seq(self, seq: int = 0) -> bytes:
         return bytes(json.dumps(self.context), "ascii")
 
-    def load_seq(self, data: bytes, seq: int = 0) -> None:
-        self.context = json.loads(data)
+    def load_seq(self, data: bytes | memoryview, seq: int = 0) -> None:
+        self.context = json.loads(bytes(data))
+
+    def decode(self, steps: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
+        """One token each of several sequences: the fake has one, so one step."""
+        return [self.eval([token], pos, seq) for seq, token, pos in steps]
 
     def eval(self, tokens: Sequence[int], pos: int, seq: int = 0) -> np.ndarray:
         assert pos == len(self.context), "positions must continue the context"

@@ -29,7 +29,7 @@ def _install() -> None:
                 time.sleep(0.05)
             original(store, batch_id)
 
-        batches._validate_lines = held
+        batches._validate_lines = held  # type: ignore[assignment]
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ def _install() -> None:
 
         after("step", die)
     if stop_after:
-        asked = []
+        asked: list[bool] = []
 
         def stop(store: Store, args: tuple[Any, ...], result: Any) -> None:
             if args[3] >= stop_after and not asked:
@@ -106,7 +106,7 @@ def _install() -> None:
             time.sleep(park_delay)  # the KV is saved; the park is not recorded yet
             return original_park(self, *args)
 
-        Store.park = slow_park  # type: ignore[method-assign]
+        Store.park = slow_park  # type: ignore[method-assign, assignment]
 
 
 if __name__ == "__main__":

@@ -114,9 +114,9 @@ class Stack:
         # Own process group: a terminal's Ctrl-C reaches the launcher only, which
         # then stops the children in order (Redis last).
         out = None
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_path(name), "ab")  # noqa: SIM115 (the child holds it)
+        if (path := self.log_path(name)) is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            out = open(path, "ab")  # noqa: SIM115 (the child holds it)
         try:
             proc = subprocess.Popen(
                 argv,

@@ -248,7 +248,9 @@ def _validate(app: Any, batch_id: str) -> None:
 def _validate_lines(batches: BatchStore, batch_id: str) -> None:
     record = _batch(batches, batch_id)
     content = batches.file_content(record["input_file_id"]) or b""
-    lines, invalid, errors = [], [], []
+    lines: list[tuple[str, str, str, dict[str, Any]]] = []
+    invalid: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
     seen: set[str] = set()
     for n, raw in enumerate(content.decode("utf-8").splitlines(), start=1):
         if not raw.strip():

@@ -108,7 +108,7 @@ def _collect(job_id: str) -> list[dict[str, Any]]:
         chunk = json.loads(item[1])
         if "error" in chunk:
             err = chunk["error"]
-            exc = Conflict(err["message"], code=err["code"])
+            exc: APIError = Conflict(err["message"], code=err["code"])
             if err.get("type") != "cancelled":
                 exc = APIError(err["message"], code=err["code"])
             raise exc

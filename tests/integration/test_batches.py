@@ -16,12 +16,15 @@ from typing import Any
 import openai
 import pytest
 import requests
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.integration.conftest import TEST_ENV, Server, start_parkq, stop_parkq
 from tests.integration.helpers import job, wait_until
 from tools.client import read_counter
 
-MESSAGES = [{"role": "user", "content": "Tell me about the park."}]
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Tell me about the park."}
+]
 
 
 @pytest.fixture
@@ -84,6 +87,7 @@ def test_openai_client_runs_a_batch_with_one_malformed_line(
     )
     body = out[2]["response"]["body"]
     assert body["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    assert direct.usage is not None
     assert body["usage"]["completion_tokens"] == direct.usage.completion_tokens
     assert client.batches.list(limit=100).data[0].id == batch.id
 

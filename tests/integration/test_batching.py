@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -97,9 +98,9 @@ def test_a_sequence_decoded_beside_others_gets_the_logits_it_gets_alone(any_mode
             got[s].append(logits)
             pos[s] += 1
     engine.close()
-    for seq, logits in got.items():
-        assert len(logits) == (21 if seq == 1 else STEPS + 1)
-        for i, (a, b) in enumerate(zip(alone[seq], logits, strict=False)):
+    for seq, steps in got.items():
+        assert len(steps) == (21 if seq == 1 else STEPS + 1)
+        for i, (a, b) in enumerate(zip(alone[seq], steps, strict=False)):
             assert np.array_equal(a, b), f"sequence {seq} differs at step {i}"
 
 
@@ -167,7 +168,9 @@ def test_the_batching_verdict_is_checked_once_per_engine_shape_and_cached(
     engine.close()
 
 
-def _concurrent(c: Cluster, bodies: list[dict]) -> tuple[list[str], list[list[tuple[int, str]]]]:
+def _concurrent(
+    c: Cluster, bodies: list[dict[str, Any]]
+) -> tuple[list[str], list[list[tuple[int, str]]]]:
     """Submit every body at once; read the streams side by side."""
     results: list[list[tuple[int, str]]] = [[] for _ in bodies]
     resps = [submit_stream(c.base_url, body) for body in bodies]
@@ -183,7 +186,7 @@ def _concurrent(c: Cluster, bodies: list[dict]) -> tuple[list[str], list[list[tu
     return [r.headers["X-Job-Id"] for r in resps], results
 
 
-def _bodies() -> list[dict]:
+def _bodies() -> list[dict[str, Any]]:
     return [
         _long(0.0 if i % 2 else 0.8, max_tokens=600, prompt=f"Sequence {i} of the batch", seed=i)
         for i in range(6)

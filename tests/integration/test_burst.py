@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -19,7 +20,7 @@ def test_a_burst_of_1000_requests_gets_200_or_429_and_accepted_jobs_finish(
     session = requests.Session()
     session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=64))
 
-    def one(i: int) -> tuple[int, str | None, dict]:
+    def one(i: int) -> tuple[int, str | None, dict[str, Any]]:
         r = session.post(
             base + "/v1/completions",
             json={"prompt": f"burst {i}", "max_tokens": 2, "temperature": 0},

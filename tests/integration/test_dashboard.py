@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -23,7 +24,7 @@ def test_dashboard_chat_and_a_long_job_parked_and_resumed(tiny_model: Path, tmp_
     env = {"PARKQ_API_KEYS": KEY, "PARKQ_N_BATCH": "16", "PARKQ_MIN_RUN_SECONDS": "0.05"}
     proc, base = start_parkq(tiny_model, None, env=env)
     auth = {"Authorization": f"Bearer {KEY}"}
-    long_events: list = []
+    long_events: list[Any] = []
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(

@@ -114,11 +114,13 @@ def test_twenty_sigkills_over_fifty_jobs_lose_and_duplicate_nothing(faults: Clus
         del faults.procs[name]
         faults.start_worker(next(names))  # the replacement
         tokens_at_kill = job(faults.base_url, target["id"])["tokens"]  # the dead worker's last
+
+        def moved_on(jid: str = target["id"], n: int = tokens_at_kill) -> bool:
+            status = job(faults.base_url, jid)
+            return bool(status["tokens"] > n or status["state"] == "finished")
+
         wait_until(
-            lambda jid=target["id"], n=tokens_at_kill: (
-                job(faults.base_url, jid)["tokens"] > n
-                or job(faults.base_url, jid)["state"] == "finished"
-            ),
+            moved_on,
             timeout=60,
         )
         kills.append(
@@ -138,9 +140,9 @@ def test_twenty_sigkills_over_fifty_jobs_lose_and_duplicate_nothing(faults: Clus
         assert job(faults.base_url, ids[n])["state"] == "finished"
     assert (gaps, dups) == (0, 0)
     # The RQ view holds no id of an ended job in its queue.
-    client = redis.Redis.from_url(faults.env["PARKQ_REDIS_URL"])
-    assert client.llen("rq:queue:faults") == 0
-    client.close()
+    rq_redis = redis.Redis.from_url(faults.env["PARKQ_REDIS_URL"])
+    assert rq_redis.llen("rq:queue:faults") == 0
+    rq_redis.close()
     recovery = sorted(float(k["recovery_s"]) for k in kills)
     print(
         f"\nfaults: 20 SIGKILLs over {len(results)} jobs, {len(killed_jobs)} jobs hit; "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -33,7 +34,7 @@ def cluster(redis_server, tiny_model: Path, tmp_path: Path) -> Iterator[Cluster]
         c.stop()
 
 
-def _health(c: Cluster) -> tuple[int, dict]:
+def _health(c: Cluster) -> tuple[int, dict[str, Any]]:
     try:
         resp = requests.get(c.base_url + "/healthz", timeout=5)
     except requests.RequestException:

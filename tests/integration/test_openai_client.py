@@ -64,8 +64,8 @@ def test_streamed_text_equals_non_streamed_text_for_the_same_seed(
         top_logprobs=3,
         extra_body={"ignore_eos": True},
     )
-    full = client.chat.completions.create(**args)  # type: ignore[call-overload]
-    chunks = list(client.chat.completions.create(stream=True, **args))  # type: ignore[call-overload]
+    full = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(stream=True, **args))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == full.choices[0].message.content
     streamed_lp = [

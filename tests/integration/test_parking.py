@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import Any
 
 import pytest
 import requests
@@ -21,7 +22,7 @@ from tests.integration.helpers import (
 )
 
 
-def _long(temperature: float, **kw) -> dict:
+def _long(temperature: float, **kw) -> dict[str, Any]:
     return {
         "prompt": kw.pop("prompt", "The long batch job begins"),
         "max_tokens": kw.pop("max_tokens", 2500),
@@ -34,10 +35,10 @@ def _long(temperature: float, **kw) -> dict:
     }
 
 
-SHORT = {"prompt": "Quick question", "max_tokens": 4, "priority": "interactive"}
+SHORT: dict[str, Any] = {"prompt": "Quick question", "max_tokens": 4, "priority": "interactive"}
 
 
-def _reference(server: Server, body: dict) -> list[tuple[int, str]]:
+def _reference(server: Server, body: dict[str, Any]) -> list[tuple[int, str]]:
     resp = submit_stream(server.base_url, body)
     events = read_events(resp)
     resp.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -47,7 +48,7 @@ def test_streams_queued_and_parked_jobs_survive_a_redis_restart(
         queued = submit_stream(base, {**BODY, "max_tokens": 50})
         queued_id = queued.headers["X-Job-Id"]
         queued.close()
-        seen: list = []
+        seen: list[Any] = []
         reader = threading.Thread(
             target=lambda: seen.extend(read_with_reconnects(base, job_id, resp, 10_000))
         )
@@ -56,7 +57,7 @@ def test_streams_queued_and_parked_jobs_survive_a_redis_restart(
         # An interactive job parks the batch job; Redis restarts while it runs.
         urgent = submit_stream(base, {**BODY, "priority": "interactive"})
         urgent_id = urgent.headers["X-Job-Id"]
-        urgent_seen: list = []
+        urgent_seen: list[Any] = []
         urgent_reader = threading.Thread(
             target=lambda: urgent_seen.extend(read_with_reconnects(base, urgent_id, urgent, 500))
         )

@@ -82,7 +82,11 @@ def test_parkq_up_restarts_a_sigkilled_worker_and_keeps_serving(
         for _ in range(2):  # twice: a restarted worker can be killed again
             resp = submit_stream(base, body)
             job_id = resp.headers["X-Job-Id"]
-            wait_until(lambda job_id=job_id: job(base, job_id)["tokens"] > 100)
+
+            def started(job_id: str = job_id) -> bool:
+                return bool(job(base, job_id)["tokens"] > 100)
+
+            wait_until(started)
             workers = [pid for pid, cmd in _children(proc.pid) if " worker" in cmd]
             assert len(workers) == 1
             os.kill(workers[0], signal.SIGKILL)

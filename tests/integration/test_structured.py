@@ -83,7 +83,7 @@ def test_a_json_schema_answer_parses_and_validates(client: openai.OpenAI) -> Non
         out = client.chat.completions.create(
             model="tiny",
             messages=[{"role": "user", "content": "Describe the city of Paris."}],
-            response_format=_format(CITY_SCHEMA, "city"),  # type: ignore[arg-type]
+            response_format=_format(CITY_SCHEMA, "city"),
             temperature=temperature,
             seed=3,
             max_tokens=400,
@@ -122,7 +122,7 @@ def test_max_tokens_inside_the_structure_ends_with_length(client: openai.OpenAI)
     out = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "Notes, please."}],
-        response_format=_format(LONG_SCHEMA),  # type: ignore[arg-type]
+        response_format=_format(LONG_SCHEMA),
         max_tokens=5,
     )
     assert out.choices[0].finish_reason == "length"
@@ -248,12 +248,12 @@ def _uninterrupted_and_parked(
     short = {"prompt": "Quick question", "max_tokens": 4, "priority": "interactive"}
     for _ in range(parks):
         start = job(c.base_url, job_id)["tokens"]
-        wait_until(
-            lambda start=start: (
-                job(c.base_url, job_id)["tokens"] > start + 20
-                and job(c.base_url, job_id)["state"] == "running"
-            )
-        )
+
+        def running_on(start: int = start) -> bool:
+            status = job(c.base_url, job_id)
+            return bool(status["tokens"] > start + 20 and status["state"] == "running")
+
+        wait_until(running_on)
         assert read_events(submit_stream(c.base_url, short))[-1][1] == "[DONE]"
     events = read_events(resp)
     assert job(c.base_url, job_id)["preemptions"] == parks
@@ -334,7 +334,7 @@ def test_tool_choice_required_makes_a_valid_call(client: openai.OpenAI) -> None:
         out = client.chat.completions.create(
             model="tiny",
             messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-            tools=[WEATHER, TIME],  # type: ignore[list-item]
+            tools=[WEATHER, TIME],
             tool_choice="required",
             temperature=temperature,
             seed=5,
@@ -346,7 +346,7 @@ def test_tool_choice_required_makes_a_valid_call(client: openai.OpenAI) -> None:
         assert calls
         tools = {"get_weather": WEATHER, "get_time": TIME}
         for call in calls:
-            fn = call.function  # type: ignore[union-attr]
+            fn = call.function
             jsonschema.validate(json.loads(fn.arguments), _parameters(tools[fn.name]))
 
 
@@ -354,14 +354,14 @@ def test_a_named_tool_choice_calls_that_function_once(client: openai.OpenAI) -> 
     out = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "Which time is it?"}],
-        tools=[WEATHER, TIME],  # type: ignore[list-item]
+        tools=[WEATHER, TIME],
         tool_choice={"type": "function", "function": {"name": "get_time"}},
         parallel_tool_calls=False,
         max_tokens=400,
     )
     calls = out.choices[0].message.tool_calls or []
-    assert len(calls) == 1 and calls[0].function.name == "get_time"  # type: ignore[union-attr]
-    jsonschema.validate(json.loads(calls[0].function.arguments), _parameters(TIME))  # type: ignore[union-attr]
+    assert len(calls) == 1 and calls[0].function.name == "get_time"
+    jsonschema.validate(json.loads(calls[0].function.arguments), _parameters(TIME))
     assert out.choices[0].finish_reason == "tool_calls"
 
 
@@ -369,7 +369,7 @@ def test_tool_choice_none_answers_in_text(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "Hello"}],
-        tools=[WEATHER],  # type: ignore[list-item]
+        tools=[WEATHER],
         tool_choice="none",
         max_tokens=20,
         temperature=0,

@@ -20,6 +20,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -67,7 +68,7 @@ def one_worker(redis_server, tiny_model: Path, tmp_path: Path) -> Iterator[Clust
         yield c
 
 
-def _park_by_stopping(c: Cluster, body: dict, after_tokens: int) -> str:
+def _park_by_stopping(c: Cluster, body: dict[str, Any], after_tokens: int) -> str:
     """Start a job on a worker that stops gracefully (parking the job, its KV gone
     with the process) once ``after_tokens`` tokens are recorded."""
     # Every token is written, so the stop lands at exactly that token.
@@ -207,7 +208,7 @@ def test_a_job_bound_to_a_busy_checkpoint_holder_causes_no_ping_pong(
             requests.delete(f"{c.base_url}/v1/jobs/{job_id}", timeout=10)
 
 
-def _upload(c: Cluster, lines: list[str]) -> dict:
+def _upload(c: Cluster, lines: list[str]) -> dict[str, Any]:
     return requests.post(
         f"{c.base_url}/v1/files",
         files={"file": ("in.jsonl", "\n".join(lines).encode())},
@@ -284,7 +285,7 @@ def test_a_batchs_results_outlive_the_result_ttl_and_its_keys_are_bounded(
             client.close()
 
 
-def _batch_status(c: Cluster, batch_id: str) -> dict:
+def _batch_status(c: Cluster, batch_id: str) -> dict[str, Any]:
     return requests.get(f"{c.base_url}/v1/batches/{batch_id}", timeout=10).json()
 
 

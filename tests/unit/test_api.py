@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Any
 
 import fakeredis
 import pytest
@@ -22,7 +23,7 @@ def client(settings: Settings, fake_redis: fakeredis.FakeRedis) -> FlaskClient:
     return create_app(s, vocab=FakeVocab(), client=fake_redis).test_client()
 
 
-def _error(resp) -> dict:
+def _error(resp) -> dict[str, Any]:
     body = resp.get_json()
     assert set(body["error"]) == {"message", "type", "param", "code"}
     return body["error"]

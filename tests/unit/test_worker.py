@@ -109,7 +109,7 @@ def test_jobs_of_dead_workers_are_requeued_then_failed_after_the_crash_limit(
         if crash < 3:
             assert reaped[0].outcome == "requeued" and rec["state"] == "queued"
             assert store.queue_position("j") == 0
-    assert reaped[0].outcome == "failed" and rec["state"] == "failed"
+    assert reaped[0].outcome == "failed" and rec is not None and rec["state"] == "failed"
     assert store.queue_position("j") is None
     assert json.loads(store.events_after("j", 0)[0][1])["error"]["code"] == "worker_lost"
 
@@ -163,7 +163,7 @@ def test_a_parked_job_waits_for_its_checkpoint_holder_then_anyone_may_take_it(
     late = 11.0 + settings.affinity_seconds + 0.1
     again = store.claim("other", late)
     assert again is not None and again.job_id == "j"
-    assert store.get("j")["state"] == "running"  # the parked job, resumed elsewhere
+    assert (store.get("j") or {})["state"] == "running"  # the parked job, resumed elsewhere
 
 
 def test_the_holder_takes_its_parked_job_back_at_once(store: Store) -> None:
@@ -194,11 +194,11 @@ def test_a_worker_that_just_went_idle_is_not_counted_busy(store: Store) -> None:
             store.park("low", low.exec_token, "b", "{}", 11.0)
         return real_pipeline(*args, **kwargs)
 
-    store.r.pipeline = pipeline  # type: ignore[method-assign]
+    store.r.pipeline = pipeline
     try:
         runners, idle, _, _ = store.runners(20.0)
     finally:
-        store.r.pipeline = real_pipeline  # type: ignore[method-assign]
+        store.r.pipeline = real_pipeline
     assert [r.job_id for r in runners] == ["high"]
     assert idle == 1
 
@@ -425,7 +425,7 @@ def test_a_redis_blip_on_a_write_of_several_steps_loses_none_of_them(
         _wait_state(store, "clean", {"finished"})
     store.enqueue("gather", "completion", req.to_json(), 10, time.time())
     worker = Worker(settings, _StepEngine(), fake_redis, name="w1")
-    step, blips = worker.store.step, []
+    step, blips = worker.store.step, list[int]()
 
     def blip_on_a_gathered_write(*args: Any) -> Any:
         if len(args[5]) > 1 and not blips:  # payloads of several steps
@@ -433,7 +433,7 @@ def test_a_redis_blip_on_a_write_of_several_steps_loses_none_of_them(
             raise redis.ConnectionError("Connection reset by peer")
         return step(*args)
 
-    worker.store.step = blip_on_a_gathered_write  # type: ignore[method-assign]
+    worker.store.step = blip_on_a_gathered_write  # type: ignore[method-assign, assignment]
     with _running(worker):
         rec = _wait_state(store, "gather", {"failed", "finished"})
     assert blips, "no write gathered several steps"

@@ -171,7 +171,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench-results/parking.json")
     args = ap.parse_args()
     model, chat_format = model_and_chat_format(args.model)
-    results = {
+    results: dict[str, Any] = {
         "model": Path(model).name,
         "park_resume": park_resume(model, chat_format, [500, 1500], args.rounds),
         "short_ttft": ttft_under_load(model, chat_format, args.samples),

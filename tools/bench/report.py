@@ -23,9 +23,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+def ttft(mode: dict[str, Any], q: str) -> float | None:
+    value: float | None = mode["short_ttft_ms"][q]
+    return value
+
+
 def ratios(r: dict[str, Any]) -> dict[str, float | None]:
     p, np_, peer, idle = r["parkq"], r["parkq_no_preempt"], r["peer"], r["idle"]
-    ttft = lambda m, q: m["short_ttft_ms"][q]  # noqa: E731
     out = {
         "ttft_busy_over_idle_p50": _ratio(ttft(p, "p50"), ttft(idle, "p50")),
         "ttft_busy_over_idle_p95": _ratio(ttft(p, "p95"), ttft(idle, "p95")),

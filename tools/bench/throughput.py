@@ -11,6 +11,7 @@ import argparse
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from jobs.engine import LlamaEngine, reference_generate
 from tools.bench import greedy_decode, model_and_chat_format, write_results
@@ -65,7 +66,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench-results/throughput.json")
     args = ap.parse_args()
     model, chat_format = model_and_chat_format(args.model)
-    results = {
+    results: dict[str, Any] = {
         "model": Path(model).name,
         "llama_cpp_python": bare_llama(model, args.n_ctx, args.tokens),
         "parkq_engine": bare_engine(model, args.n_ctx, args.tokens),
