@@ -12,126 +12,13 @@ from typing import Any
 
 import click
 
-from scheduler.settings import Settings, cache_root, data_root, load_settings
+from scheduler.settings import cache_root, data_root, load_settings
+from tools.checks import preflight, redact, resolve_model, warn_if_open
 from tools.logs import configure_logging
 
 log = logging.getLogger(__name__)
 
 __all__ = ["main"]
-
-
-def _resolve_model(settings: Settings) -> Settings:
-    """Fill in the demo model (assembling it once) when no model is given."""
-    if settings.model:
-        return settings
-    from jobs.demo_model import DEMO_CHAT_FORMAT, assemble_demo_model, demo_model_target
-
-    try:
-        target = demo_model_target(settings.cache_dir)
-        if not target.exists():
-            click.echo(f"parkq: assembling the demo model into {target} (once)...")
-            assemble_demo_model(target)
-    except RuntimeError as exc:
-        raise click.ClickException(str(exc)) from None
-    update: dict[str, Any] = {"model": str(target)}
-    if settings.chat_format is None:
-        update["chat_format"] = DEMO_CHAT_FORMAT
-    return settings.model_copy(update=update)
-
-
-def redact(url: str | None) -> str:
-    """``url`` with its password (if any) replaced by ``***``, for output and logs."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    if not url:
-        return ""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-
-
-def preflight(settings: Settings) -> None:
-    """Check the model file and Redis before starting anything; one line if wrong."""
-    model = settings.model or ""
-    path = Path(model).expanduser()
-    if not path.is_file():
-        raise click.ClickException(
-            f"no model file at {model} (--model or PARKQ_MODEL: the path of a .gguf file)"
-        )
-    try:
-        with path.open("rb") as f:
-            magic = f.read(4)
-    except OSError as exc:
-        raise click.ClickException(f"cannot read the model file {model}: {exc.strerror}") from None
-    if magic != b"GGUF":
-        raise click.ClickException(f"{model} is not a GGUF model file (llama.cpp needs GGUF)")
-    from jobs.engine import Vocab
-
-    try:
-        Vocab(str(path))  # the chat format is checked where it is used
-    except ValueError as exc:
-        raise click.ClickException(
-            f"llama.cpp cannot load {model} ({exc}): is the file complete, and is its "
-            "architecture one this llama.cpp build knows?"
-        ) from None
-    if settings.redis_url:
-        check_redis(settings.redis_url)
-
-
-def check_redis(url: str) -> None:
-    """Ping Redis at ``url``; a one-line error saying what to fix if it does not answer."""
-    import redis
-
-    shown = redact(url)
-    try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
-    except ValueError as exc:
-        raise click.ClickException(f"{shown} is not a Redis URL: {exc}") from None
-    try:
-        client.ping()
-    except redis.AuthenticationError:
-        if "@" not in url.split("//", 1)[-1].split("/", 1)[0]:
-            raise click.ClickException(
-                f"Redis at {shown} needs a password: give it in the URL "
-                "(redis://:PASSWORD@host:port/0)"
-            ) from None
-        raise click.ClickException(
-            f"Redis at {shown} refused the credentials: check the password (and user) in "
-            "--redis-url or PARKQ_REDIS_URL"
-        ) from None
-    except redis.ResponseError as exc:
-        if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
-            raise click.ClickException(
-                f"Redis at {shown} needs a password: give it in the URL "
-                "(redis://:PASSWORD@host:port/0)"
-            ) from None
-        raise click.ClickException(f"Redis at {shown} answered: {exc}") from None
-    except redis.ConnectionError as exc:
-        reason = str(exc).split(". ")[-1].rstrip(".") or type(exc).__name__
-        raise click.ClickException(
-            f"cannot reach Redis at {shown} ({reason}): start it, fix --redis-url / "
-            "PARKQ_REDIS_URL, or leave it out for an embedded Redis (parkq up)"
-        ) from None
-    finally:
-        client.close()
-
-
-def warn_if_open(settings: Settings) -> None:
-    """Say loudly when the API listens beyond this machine without keys."""
-    if settings.api_key_list or settings.host in ("127.0.0.1", "localhost", "::1"):
-        return
-    message = (
-        f"parkq: WARNING: listening on {settings.host}:{settings.port} without API keys: "
-        "anyone who can reach this port can use the model. Set PARKQ_API_KEYS, or bind "
-        "127.0.0.1."
-    )
-    click.echo(message, err=True)
-    log.warning("%s", message.removeprefix("parkq: "))
 
 
 def _stop_on_signals(handler: Any) -> None:
@@ -190,7 +77,7 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
         preempt=False if no_preempt else None,
     )
     configure_logging(settings.log_level, settings.log_format)
-    settings = _resolve_model(settings)
+    settings = resolve_model(settings)
     preflight(settings)
     if ephemeral and data_dir:
         raise click.UsageError("--ephemeral keeps nothing: leave out --data-dir")
@@ -234,7 +121,7 @@ def web(host: str | None, port: int | None, redis_url: str | None, model: str | 
     """Run the web server alone (it needs Redis and, for tokenizing, the model file)."""
     from tools.serve import serve
 
-    settings = _resolve_model(load_settings(host=host, port=port, redis_url=redis_url, model=model))
+    settings = resolve_model(load_settings(host=host, port=port, redis_url=redis_url, model=model))
     configure_logging(settings.log_level, settings.log_format)
     if not settings.redis_url:
         raise click.ClickException("--redis-url (or PARKQ_REDIS_URL) is required")
@@ -250,17 +137,9 @@ def web(host: str | None, port: int | None, redis_url: str | None, model: str | 
 @_preempt_opt
 def worker(redis_url: str | None, model: str | None, name: str | None, no_preempt: bool) -> None:
     """Run one worker: loads the model once and serves jobs one at a time."""
-    import faulthandler
+    from tools.worker_process import run_worker
 
-    import redis
-
-    from jobs.engine import LlamaEngine
-    from jobs.identity import identify
-    from jobs.kernels import invariant_batch_size, worker_kernels
-    from jobs.worker import Worker, default_worker_name
-    from web.app import model_name
-
-    settings = _resolve_model(
+    settings = resolve_model(
         load_settings(
             redis_url=redis_url,
             model=model,
@@ -269,60 +148,10 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
         )
     )
     configure_logging(settings.log_level, settings.log_format)
-    faulthandler.enable()  # a crash inside llama.cpp leaves the Python stack in the log
     if not settings.redis_url:
         raise click.ClickException("--redis-url (or PARKQ_REDIS_URL) is required")
     preflight(settings)
-    kernels = worker_kernels(settings)
-    log.info(
-        "llama.cpp extra buffer types %s: %s",
-        "on" if kernels.extra_buffers else "off",
-        kernels.reason,
-    )
-    try:
-        engine = LlamaEngine(
-            settings.model or "",
-            n_ctx=settings.n_ctx,
-            n_batch=settings.n_batch,
-            n_threads=settings.n_threads,
-            n_seq_max=settings.max_seqs + settings.parked_seqs,
-            chat_format=settings.chat_format,
-            extra_buffers=kernels.extra_buffers,
-        )
-    except (ValueError, RuntimeError, OSError) as exc:
-        raise click.ClickException(f"cannot load the model {settings.model}: {exc}") from None
-    if settings.max_seqs > 1:
-        size, how = invariant_batch_size(engine, settings.max_seqs, settings.cache_dir)
-        engine.plan_batching(size)
-        log.info(
-            "%d sequences; one decode call takes up to %d of them (the most for which "
-            "these kernels give each sequence its logits alone; %s), split as timed: %s",
-            settings.max_seqs,
-            size,
-            how,
-            engine.splits_described(),
-        )
-    identity = identify(
-        model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir
-    )
-    name = settings.worker_name or default_worker_name()
-    client = redis.Redis.from_url(
-        settings.redis_url,
-        health_check_interval=30,
-        client_name=settings.keys.client_name(name),  # its liveness: see Worker
-    )
-    w = Worker(settings, engine, client, name=name, model=identity)
-    signals = {"count": 0}
-
-    def _stop(signum: int, frame: Any) -> None:
-        # First signal: park the running job (within a step), sign off, exit.
-        signals["count"] += 1
-        if signals["count"] > 1:
-            raise SystemExit(1)
-        w.stop()
-
-    _stop_on_signals(_stop)
-    w.run()
+    run_worker(settings)
 
 
 @main.command("make-test-model")
@@ -353,7 +182,7 @@ def demo(model: str | None, prompt: str, max_tokens: int | None, question: str) 
     from tools.demo import DemoFailed, run_demo
     from tools.launcher import Stack, exit_status
 
-    settings = _resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
+    settings = resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
     configure_logging(settings.log_level, settings.log_format)
     preflight(settings)
     logs = cache_root(settings.cache_dir) / "demo-logs" / time.strftime("%Y%m%d-%H%M%S")
@@ -427,7 +256,7 @@ def bench(model: str | None, quick: bool, duration: float | None, rate: float | 
 
     if quick and model is None:
         model = str(write_test_model(Path(tempfile.mkdtemp()) / "tiny.gguf"))
-    settings = _resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
+    settings = resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
     configure_logging(settings.log_level, settings.log_format)
     workload = Workload(
         duration=duration or (6.0 if quick else 60.0),
@@ -519,7 +348,7 @@ def batch(paths: tuple[Path, ...], prompt: str | None, task: str | None, out: Pa
     else:
         from tools.launcher import Stack
 
-        settings = _resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
+        settings = resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
         configure_logging(settings.log_level, settings.log_format)
         click.echo("parkq: starting (embedded Redis, web server, one worker)...", err=True)
         with Stack(settings) as stack:
@@ -612,7 +441,7 @@ def soak(duration: str, url: str | None, api_key: str | None, model: str | None,
             from jobs.testmodel import write_test_model
 
             model = str(write_test_model(Path(tempfile.mkdtemp()) / "tiny.gguf"))
-        settings = _resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
+        settings = resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
         configure_logging(settings.log_level, settings.log_format)
         click.echo(f"parkq: starting a stack for a {duration} soak...")
         with Stack(settings, workers=workers) as stack:

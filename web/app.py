@@ -62,10 +62,12 @@ def create_app(
     from web.api import bp
     from web.batches import bp as batches_bp
     from web.dashboard import bp as dashboard_bp
+    from web.files import bp as files_bp
     from web.metrics import bp as metrics_bp
     from web.openapi import bp as openapi_bp
 
     app.register_blueprint(bp)
+    app.register_blueprint(files_bp)
     app.register_blueprint(batches_bp)
     app.register_blueprint(metrics_bp)
     app.register_blueprint(openapi_bp)

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Annotated, Any, Literal, TypeVar
 
-from flask import Blueprint, Response, current_app, jsonify, request
+from flask import Blueprint, current_app, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field
 
 from jobs.batches import BatchStore, Item, new_id
@@ -23,7 +23,8 @@ from jobs.events import DONE
 from jobs.generation import GenerationRequest
 from jobs.store import Cancelled
 from scheduler.state import JobState
-from web.errors import APIError, BadRequest, Conflict, NotFound, PayloadTooLarge
+from web.errors import APIError, BadRequest, Conflict, NotFound
+from web.files import batch_store, file_meta
 from web.intake import chat_job, check_model, completion_job, read_body
 from web.responses import assemble
 from web.runtime import current
@@ -35,81 +36,6 @@ bp = Blueprint("batches", __name__)
 
 ENDED = ("completed", "failed", "cancelled", "expired")
 _WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
-
-
-def _batches() -> BatchStore:
-    return BatchStore(current().store)
-
-
-# -- files --------------------------------------------------------------------
-
-
-@bp.post("/v1/files")
-def upload_file() -> Any:
-    limit = current().settings.batch_max_file_bytes
-    if request.content_length is not None and request.content_length > limit + 65536:
-        raise PayloadTooLarge(f"The file is larger than the limit of {limit} bytes.")
-    request.max_content_length = limit + 65536  # the file plus the form's other parts
-    purpose = request.form.get("purpose")
-    upload = request.files.get("file")
-    if upload is None:
-        raise BadRequest("Missing the multipart field 'file'.", param="file")
-    if purpose != "batch":
-        raise BadRequest("Only purpose 'batch' is supported.", param="purpose")
-    content = upload.read(limit + 1)
-    if len(content) > limit:
-        raise PayloadTooLarge(f"The file is larger than the limit of {limit} bytes.")
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BadRequest("The file is not valid UTF-8 text.", param="file") from None
-    lines = sum(1 for line in text.splitlines() if line.strip())
-    max_lines = current().settings.batch_max_lines
-    if lines == 0:
-        raise BadRequest("The file holds no requests (one JSON object per line).", param="file")
-    if lines > max_lines:
-        raise BadRequest(
-            f"The file holds {lines} requests; a batch takes at most {max_lines}.", param="file"
-        )
-    name = upload.filename or "batch.jsonl"
-    return jsonify(_batches().create_file(name, purpose, content, time.time()))
-
-
-@bp.get("/v1/files")
-def list_files() -> Any:
-    files = _batches().list_files(request.args.get("purpose"))
-    return jsonify({"object": "list", "data": files, "has_more": False})
-
-
-def _file(file_id: str) -> dict[str, Any]:
-    meta = _batches().get_file(file_id)
-    if meta is None:
-        raise NotFound(f"No file with id '{file_id}'.", param="file_id")
-    return meta
-
-
-@bp.get("/v1/files/<file_id>")
-def get_file(file_id: str) -> Any:
-    return jsonify(_file(file_id))
-
-
-@bp.get("/v1/files/<file_id>/content")
-def file_content(file_id: str) -> Any:
-    _file(file_id)
-    content = _batches().file_content(file_id)
-    if content is None:
-        raise NotFound(f"No content for file '{file_id}'.", param="file_id")
-    return Response(content, mimetype="application/jsonl")
-
-
-@bp.delete("/v1/files/<file_id>")
-def delete_file(file_id: str) -> Any:
-    if not _batches().delete_file(file_id):
-        raise NotFound(f"No file with id '{file_id}'.", param="file_id")
-    return jsonify({"id": file_id, "object": "file", "deleted": True})
-
-
-# -- batches --------------------------------------------------------------------
 
 
 class BatchCreate(BaseModel):
@@ -191,10 +117,10 @@ def create_batch() -> Any:
     check_model(current())
     window = _WINDOW.match(req.completion_window)
     assert window is not None  # the model's pattern
-    meta = _file(req.input_file_id)
+    meta = file_meta(req.input_file_id)
     if meta["purpose"] != "batch":
         raise BadRequest("The input file's purpose must be 'batch'.", param="input_file_id")
-    batches = _batches()
+    batches = batch_store()
     now = time.time()
     batch_id = new_id("batch")
     record = {
@@ -231,7 +157,7 @@ def _start_validation(batches: BatchStore, batch_id: str) -> None:
 def _validate(app: Any, batch_id: str) -> None:
     """Check and tokenize every line; then queue the batch (or fail it)."""
     with app.app_context():
-        batches = _batches()
+        batches = batch_store()
         try:
             _validate_lines(batches, batch_id)
         except Exception as exc:  # the batch fails with the reason; nothing is queued
@@ -452,18 +378,18 @@ def _finalize(
 
 @bp.get("/v1/batches/<batch_id>")
 def get_batch(batch_id: str) -> Any:
-    return jsonify(_batch_object(_batches(), batch_id))
+    return jsonify(_batch_object(batch_store(), batch_id))
 
 
 @bp.get("/v1/batches")
-def list_batches() -> Any:
+def listbatch_store() -> Any:
     try:
         limit = int(request.args.get("limit", "20"))
     except ValueError:
         raise BadRequest("limit must be an integer.", param="limit") from None
     if not 1 <= limit <= 100:
         raise BadRequest("limit must be between 1 and 100.", param="limit")
-    batches = _batches()
+    batches = batch_store()
     ids, more = batches.list_ids(request.args.get("after"), limit)
     data = [_batch_object(batches, i) for i in ids]
     return jsonify({
@@ -478,7 +404,7 @@ def list_batches() -> Any:
 @bp.post("/v1/batches/<batch_id>/cancel")
 def cancel_batch(batch_id: str) -> Any:
     runtime = current()
-    batches = _batches()
+    batches = batch_store()
     record = _batch(batches, batch_id)
     if record["status"] in ENDED:
         raise Conflict(

@@ -1,0 +1,81 @@
+"""`parkq worker`: one worker process. It picks the kernel path, loads the
+model once, checks how many sequences one decode call may take, announces the
+model it serves, and runs the worker loop until a signal parks its jobs."""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import signal
+from typing import Any
+
+import click
+import redis
+
+from jobs.engine import LlamaEngine
+from jobs.identity import identify
+from jobs.kernels import invariant_batch_size, worker_kernels
+from jobs.worker import Worker, default_worker_name
+from scheduler.settings import Settings
+from web.app import model_name
+
+__all__ = ["run_worker"]
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(settings: Settings) -> None:
+    """Serve jobs until SIGTERM or SIGINT (the first parks the running jobs and
+    signs off; a second exits at once)."""
+    faulthandler.enable()  # a crash inside llama.cpp leaves the Python stack in the log
+    kernels = worker_kernels(settings)
+    log.info(
+        "llama.cpp extra buffer types %s: %s",
+        "on" if kernels.extra_buffers else "off",
+        kernels.reason,
+    )
+    try:
+        engine = LlamaEngine(
+            settings.model or "",
+            n_ctx=settings.n_ctx,
+            n_batch=settings.n_batch,
+            n_threads=settings.n_threads,
+            n_seq_max=settings.max_seqs + settings.parked_seqs,
+            chat_format=settings.chat_format,
+            extra_buffers=kernels.extra_buffers,
+        )
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise click.ClickException(f"cannot load the model {settings.model}: {exc}") from None
+    if settings.max_seqs > 1:
+        size, how = invariant_batch_size(engine, settings.max_seqs, settings.cache_dir)
+        engine.plan_batching(size)
+        log.info(
+            "%d sequences; one decode call takes up to %d of them (the most for which "
+            "these kernels give each sequence its logits alone; %s), split as timed: %s",
+            settings.max_seqs,
+            size,
+            how,
+            engine.splits_described(),
+        )
+    identity = identify(
+        model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir
+    )
+    name = settings.worker_name or default_worker_name()
+    client = redis.Redis.from_url(
+        settings.redis_url or "",
+        health_check_interval=30,
+        client_name=settings.keys.client_name(name),  # its liveness: see Worker
+    )
+    w = Worker(settings, engine, client, name=name, model=identity)
+    signals = {"count": 0}
+
+    def _stop(signum: int, frame: Any) -> None:
+        # First signal: park the running job (within a step), sign off, exit.
+        signals["count"] += 1
+        if signals["count"] > 1:
+            raise SystemExit(1)
+        w.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    w.run()

@@ -1,0 +1,86 @@
+"""The OpenAI Files API: batch input files (JSONL) in, output files out."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from flask import Blueprint, Response, jsonify, request
+
+from jobs.batches import BatchStore
+from web.errors import BadRequest, NotFound, PayloadTooLarge
+from web.runtime import current
+
+__all__ = ["batch_store", "bp", "file_meta"]
+
+bp = Blueprint("files", __name__)
+
+
+def batch_store() -> BatchStore:
+    return BatchStore(current().store)
+
+
+def file_meta(file_id: str) -> dict[str, Any]:
+    """A file's description; 404 if there is none."""
+    meta = batch_store().get_file(file_id)
+    if meta is None:
+        raise NotFound(f"No file with id '{file_id}'.", param="file_id")
+    return meta
+
+
+@bp.post("/v1/files")
+def upload_file() -> Any:
+    limit = current().settings.batch_max_file_bytes
+    if request.content_length is not None and request.content_length > limit + 65536:
+        raise PayloadTooLarge(f"The file is larger than the limit of {limit} bytes.")
+    request.max_content_length = limit + 65536  # the file plus the form's other parts
+    purpose = request.form.get("purpose")
+    upload = request.files.get("file")
+    if upload is None:
+        raise BadRequest("Missing the multipart field 'file'.", param="file")
+    if purpose != "batch":
+        raise BadRequest("Only purpose 'batch' is supported.", param="purpose")
+    content = upload.read(limit + 1)
+    if len(content) > limit:
+        raise PayloadTooLarge(f"The file is larger than the limit of {limit} bytes.")
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("The file is not valid UTF-8 text.", param="file") from None
+    lines = sum(1 for line in text.splitlines() if line.strip())
+    max_lines = current().settings.batch_max_lines
+    if lines == 0:
+        raise BadRequest("The file holds no requests (one JSON object per line).", param="file")
+    if lines > max_lines:
+        raise BadRequest(
+            f"The file holds {lines} requests; a batch takes at most {max_lines}.", param="file"
+        )
+    name = upload.filename or "batch.jsonl"
+    return jsonify(batch_store().create_file(name, purpose, content, time.time()))
+
+
+@bp.get("/v1/files")
+def list_files() -> Any:
+    files = batch_store().list_files(request.args.get("purpose"))
+    return jsonify({"object": "list", "data": files, "has_more": False})
+
+
+@bp.get("/v1/files/<file_id>")
+def get_file(file_id: str) -> Any:
+    return jsonify(file_meta(file_id))
+
+
+@bp.get("/v1/files/<file_id>/content")
+def file_content(file_id: str) -> Any:
+    file_meta(file_id)
+    content = batch_store().file_content(file_id)
+    if content is None:
+        raise NotFound(f"No content for file '{file_id}'.", param="file_id")
+    return Response(content, mimetype="application/jsonl")
+
+
+@bp.delete("/v1/files/<file_id>")
+def delete_file(file_id: str) -> Any:
+    if not batch_store().delete_file(file_id):
+        raise NotFound(f"No file with id '{file_id}'.", param="file_id")
+    return jsonify({"id": file_id, "object": "file", "deleted": True})
