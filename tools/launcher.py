@@ -223,7 +223,7 @@ class Stack:
 
         client = redis.Redis.from_url(self.settings.redis_url or "")
         try:
-            Store(client, self.settings).expire_workers()
+            Store(client, self.settings).workers.expire_all()
         finally:
             client.close()
 

@@ -96,7 +96,7 @@ def state() -> Response:
         }
         for job_id, row in zip(waiting, rows, strict=True)
     ]
-    alive = store.workers_alive(now)
+    alive = store.workers.alive(now)
     workers = []
     for w, row in zip(alive, telemetry.worker_rows(alive, "job", "checkpoint_bytes", "rss_bytes"),
                       strict=True):  # fmt: skip

@@ -72,7 +72,7 @@ class RedisCollector(Collector):
         for row in telemetry.job_rows(telemetry.waiting(10000), "priority", "state"):
             depth[priority_label(int(row["priority"] or 0))] += 1
             parked += row["state"] == "parked"
-        alive = store.workers_alive(now)
+        alive = store.workers.alive(now)
         running = [w for w in telemetry.running_workers() if w in set(alive)]
         counters = telemetry.counters()
         held = [
@@ -87,7 +87,7 @@ class RedisCollector(Collector):
         yield g
         yield GaugeMetricFamily("parkq_jobs_running", METRICS["parkq_jobs_running"], len(running))
         yield GaugeMetricFamily("parkq_jobs_parked", METRICS["parkq_jobs_parked"], parked)
-        processes = len(store.worker_models(now))  # not one per sequence
+        processes = len(store.workers.models(now))  # not one per sequence
         yield GaugeMetricFamily("parkq_workers_alive", METRICS["parkq_workers_alive"], processes)
         yield GaugeMetricFamily(
             "parkq_checkpoint_bytes", METRICS["parkq_checkpoint_bytes"], sum(held)

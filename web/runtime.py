@@ -66,7 +66,7 @@ class Runtime:
             return cached[1]
         matching: dict[str, ModelIdentity | None] = {}
         others: dict[str, ModelIdentity] = {}
-        for worker, model in self.store.worker_models(now).items():
+        for worker, model in self.store.workers.models(now).items():
             if model is None or self.identity is None or model.digest == self.identity.digest:
                 matching[worker] = model
             else:

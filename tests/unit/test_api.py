@@ -116,7 +116,7 @@ def test_models_lists_the_one_model(client: FlaskClient) -> None:
 def test_healthz_needs_a_live_worker(client: FlaskClient, store: Store) -> None:
     resp = client.get("/healthz")
     assert resp.status_code == 503 and resp.get_json()["workers"] == 0
-    store.heartbeat("w1", 1e12, 10)  # alive far into the future
+    store.workers.heartbeat("w1", 1e12, 10)  # alive far into the future
     body = client.get("/healthz").get_json()
     assert body == {"status": "ok", "redis": True, "workers": 1, "model": "fake-model"}
 

@@ -116,7 +116,7 @@ def test_preemption_considers_only_workers_serving_the_jobs_model(
     fake_redis: fakeredis.FakeRedis, settings: Settings
 ) -> None:
     worker_b = Store(fake_redis, settings, _model("b", "b"))
-    worker_b.heartbeat("wb", now=1.0, ttl=1000)
+    worker_b.workers.heartbeat("wb", now=1.0, ttl=1000)
     _enqueue(worker_b, "long-b", 0, 1.0)
     assert worker_b.claim("wb", 2.0) is not None
     web_a = Store(fake_redis, settings, _model("a", "a"))

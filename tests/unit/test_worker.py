@@ -99,7 +99,7 @@ def test_jobs_of_dead_workers_are_requeued_then_failed_after_the_crash_limit(
 ) -> None:
     store.enqueue("j", "completion", {}, 0, 1.0)
     for crash in range(1, 4):
-        store.heartbeat(f"w{crash}", now=100.0 * crash, ttl=5)
+        store.workers.heartbeat(f"w{crash}", now=100.0 * crash, ttl=5)
         claim = store.claim(f"w{crash}", 100.0 * crash)
         assert claim is not None and claim.job_id == "j"
         reaped = store.reap(now=100.0 * crash + 10)  # the heartbeat expired
@@ -116,7 +116,7 @@ def test_jobs_of_dead_workers_are_requeued_then_failed_after_the_crash_limit(
 
 def test_a_live_worker_is_never_reaped(store: Store) -> None:
     store.enqueue("j", "completion", {}, 0, 1.0)
-    store.heartbeat("w", now=100.0, ttl=5)
+    store.workers.heartbeat("w", now=100.0, ttl=5)
     store.claim("w", 100.0)
     assert store.reap(now=104.0) == []
     rec = store.get("j")
@@ -153,8 +153,8 @@ def test_a_parked_job_waits_for_its_checkpoint_holder_then_anyone_may_take_it(
     store: Store, settings: Settings
 ) -> None:
     store.enqueue("j", "completion", {}, 0, 1.0)
-    store.heartbeat("holder", now=10.0, ttl=100)
-    store.heartbeat("other", now=10.0, ttl=100)
+    store.workers.heartbeat("holder", now=10.0, ttl=100)
+    store.workers.heartbeat("other", now=10.0, ttl=100)
     claim = store.claim("holder", 10.0)
     assert claim is not None
     store.park("j", claim.exec_token, "holder", "{}", 11.0)
@@ -168,7 +168,7 @@ def test_a_parked_job_waits_for_its_checkpoint_holder_then_anyone_may_take_it(
 
 def test_the_holder_takes_its_parked_job_back_at_once(store: Store) -> None:
     store.enqueue("j", "completion", {}, 0, 1.0)
-    store.heartbeat("holder", now=10.0, ttl=100)
+    store.workers.heartbeat("holder", now=10.0, ttl=100)
     claim = store.claim("holder", 10.0)
     assert claim is not None
     store.park("j", claim.exec_token, "holder", "{}", 11.0)
@@ -179,7 +179,7 @@ def test_the_holder_takes_its_parked_job_back_at_once(store: Store) -> None:
 def test_a_worker_that_just_went_idle_is_not_counted_busy(store: Store) -> None:
     # Two workers run jobs; one of them parks between the two reads of runners().
     for name in ("a", "b"):
-        store.heartbeat(name, now=10.0, ttl=100)
+        store.workers.heartbeat(name, now=10.0, ttl=100)
     store.enqueue("low", "completion", {}, 0, 1.0)
     store.enqueue("high", "completion", {}, 5, 1.0)
     high = store.claim("a", 10.0)
@@ -450,7 +450,7 @@ def test_a_parked_job_held_by_a_busy_worker_does_not_make_others_park(
     affinity window) must not make another worker park its own job, which that
     worker would then claim straight back."""
     for name in ("holder", "other"):
-        store.heartbeat(name, now=10.0, ttl=1000)
+        store.workers.heartbeat(name, now=10.0, ttl=1000)
     store.enqueue("a", "completion", {}, 5, 1.0)
     claim_a = store.claim("holder", 10.0)
     assert claim_a is not None
@@ -471,7 +471,7 @@ def test_a_worker_that_stalled_past_its_ttl_does_not_reap_itself(store: Store) -
     is alive: its own beat must not requeue its job and forget it in RQ; other
     workers may reap it meanwhile (the fencing covers that)."""
     store.enqueue("j", "completion", {}, 0, 1.0)
-    store.heartbeat("slowpoke", now=10.0, ttl=3)
+    store.workers.heartbeat("slowpoke", now=10.0, ttl=3)
     claim = store.claim("slowpoke", 10.0)
     assert claim is not None
     assert store.reap(now=20.0, me="slowpoke") == []  # its own beat, 7 s late
