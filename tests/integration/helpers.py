@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -94,3 +95,17 @@ def read_with_reconnects(
             )
         except requests.RequestException:
             time.sleep(0.2)
+
+
+def reading_in_background(
+    base_url: str, resp: requests.Response, per_connection: int
+) -> tuple[threading.Thread, list[tuple[int, str]]]:
+    """Read the stream of ``resp``'s job to its end in a thread (reconnecting as
+    :func:`read_with_reconnects` does); the thread and the events read so far."""
+    job_id = resp.headers["X-Job-Id"]
+    seen: list[tuple[int, str]] = []
+    thread = threading.Thread(
+        target=lambda: seen.extend(read_with_reconnects(base_url, job_id, resp, per_connection))
+    )
+    thread.start()
+    return thread, seen

@@ -23,6 +23,7 @@ from tests.integration.helpers import (
     job,
     read_events,
     read_with_reconnects,
+    reading_in_background,
     submit_stream,
     wait_until,
 )
@@ -169,11 +170,7 @@ def test_sigkill_in_the_middle_of_a_checkpoint(faults: Cluster) -> None:
 
     resp = submit_stream(faults.base_url, body)
     job_id = resp.headers["X-Job-Id"]
-    seen: list[tuple[int, str]] = []
-    reader = threading.Thread(
-        target=lambda: seen.extend(read_with_reconnects(faults.base_url, job_id, resp, 400))
-    )
-    reader.start()
+    reader, seen = reading_in_background(faults.base_url, resp, 400)
     short = {"prompt": "hi", "max_tokens": 4, "priority": "interactive"}
     # A first park completes (slowly): the job now has a checkpoint.
     wait_until(lambda: job(faults.base_url, job_id)["tokens"] > 200)

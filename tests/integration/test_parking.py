@@ -16,7 +16,7 @@ from tests.integration.helpers import (
     job,
     logprob_tokens,
     read_events,
-    read_with_reconnects,
+    reading_in_background,
     submit_stream,
     wait_until,
 )
@@ -133,13 +133,7 @@ def test_reconnecting_reader_across_parks_gets_every_event_once(server: Server) 
     reference = _reference(server, body)
     resp = submit_stream(server.base_url, body)
     job_id = resp.headers["X-Job-Id"]
-    seen: list[tuple[int, str]] = []
-
-    def reader() -> None:
-        seen.extend(read_with_reconnects(server.base_url, job_id, resp, per_connection=150))
-
-    thread = threading.Thread(target=reader)
-    thread.start()
+    thread, seen = reading_in_background(server.base_url, resp, per_connection=150)
     _interrupt(server, job_id, 3)
     thread.join(timeout=60)
     assert seen and seen[-1][1] == "[DONE]"

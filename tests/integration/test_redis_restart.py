@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import requests
@@ -16,7 +14,7 @@ from tests.integration.helpers import (
     completion_text,
     job,
     read_events,
-    read_with_reconnects,
+    reading_in_background,
     submit_stream,
     wait_until,
 )
@@ -48,20 +46,12 @@ def test_streams_queued_and_parked_jobs_survive_a_redis_restart(
         queued = submit_stream(base, {**BODY, "max_tokens": 50})
         queued_id = queued.headers["X-Job-Id"]
         queued.close()
-        seen: list[Any] = []
-        reader = threading.Thread(
-            target=lambda: seen.extend(read_with_reconnects(base, job_id, resp, 10_000))
-        )
-        reader.start()
+        reader, seen = reading_in_background(base, resp, 10_000)
         wait_until(lambda: job(base, job_id)["tokens"] > 200)
         # An interactive job parks the batch job; Redis restarts while it runs.
         urgent = submit_stream(base, {**BODY, "priority": "interactive"})
         urgent_id = urgent.headers["X-Job-Id"]
-        urgent_seen: list[Any] = []
-        urgent_reader = threading.Thread(
-            target=lambda: urgent_seen.extend(read_with_reconnects(base, urgent_id, urgent, 500))
-        )
-        urgent_reader.start()
+        urgent_reader, urgent_seen = reading_in_background(base, urgent, 500)
         wait_until(lambda: job(base, job_id)["state"] == "parked", timeout=60)
         wait_until(lambda: job(base, urgent_id)["tokens"] > 100, timeout=60)
         redis.stop()

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from tests.integration.helpers import (
     completion_text,
     job,
     read_events,
-    read_with_reconnects,
+    reading_in_background,
     submit_stream,
     wait_until,
 )
@@ -134,13 +133,7 @@ def test_sigkill_mid_generation_another_worker_takes_over(cluster: Cluster) -> N
     first.close()
     resp = submit_stream(cluster.base_url, LONG)
     job_id = resp.headers["X-Job-Id"]
-    seen: list[tuple[int, str]] = []
-
-    def reader() -> None:
-        seen.extend(read_with_reconnects(cluster.base_url, job_id, resp, per_connection=300))
-
-    thread = threading.Thread(target=reader)
-    thread.start()
+    thread, seen = reading_in_background(cluster.base_url, resp, per_connection=300)
     wait_until(lambda: job(cluster.base_url, job_id)["tokens"] > 300)
     victim = job(cluster.base_url, job_id)["worker"]
     cluster.procs[victim].send_signal(signal.SIGKILL)

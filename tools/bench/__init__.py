@@ -5,6 +5,7 @@ parking, throughput, conversation, concurrency, structured). Not tests."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -36,6 +37,17 @@ def greedy_decode(engine: LlamaEngine, prompt: str, tokens: int) -> float:
         logits = engine.eval([int(np.argmax(logits))], pos)
         pos += 1
     return time.perf_counter() - t0
+
+
+def command_line(
+    doc: str | None, name: str, model: str = "the demo model"
+) -> argparse.ArgumentParser:
+    """A benchmark's options: ``--model`` (default: ``model``) and ``--out``
+    (``bench-results/<name>.json``); the benchmark adds its own."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", help=f"GGUF path (default: {model})")
+    ap.add_argument("--out", default=f"bench-results/{name}.json")
+    return ap
 
 
 def write_results(path: str, results: dict[str, Any]) -> None:

@@ -17,7 +17,6 @@ time from the first request to the last ``[DONE]``); writes them as JSON.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import threading
@@ -25,7 +24,7 @@ import time
 from typing import Any
 
 from scheduler.settings import load_settings
-from tools.bench import write_results
+from tools.bench import command_line, write_results
 from tools.bench.llama_server import llama_server_path, running_llama_server
 from tools.bench.workload import Request, stream
 from tools.client import percentile
@@ -84,14 +83,12 @@ def _demo_model() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="GGUF model (default: the demo model)")
+    ap = command_line(__doc__, "concurrency")
     ap.add_argument("--seqs", default="1,8", help="PARKQ_MAX_SEQS values to compare")
     ap.add_argument("--clients", default="1,2,4,8", help="simultaneous streams")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, help="llama.cpp threads (default: PARKQ_N_THREADS)")
     ap.add_argument("--peer-server", help="llama-server binary (default: the cached build)")
-    ap.add_argument("--out", default="bench-results/concurrency.json")
     args = ap.parse_args()
 
     from jobs.kernels import worker_kernels

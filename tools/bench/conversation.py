@@ -9,7 +9,6 @@ first token. The same follow-ups are timed on a server with the cache off.
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.settings import load_settings
-from tools.bench import model_and_chat_format, write_results
+from tools.bench import command_line, model_and_chat_format, write_results
 from tools.bench.workload import Request, stream
 from tools.launcher import Stack
 
@@ -58,11 +57,9 @@ def follow_ups(model: str, chat_format: str | None, cache: bool, n: int, words: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", help="GGUF path (default: the demo model)")
+    ap = command_line(__doc__, "conversation")
     ap.add_argument("--words", type=int, default=700, help="words of the report (~1,000 tokens)")
     ap.add_argument("--samples", type=int, default=5)
-    ap.add_argument("--out", default="bench-results/conversation.json")
     args = ap.parse_args()
     model, chat_format = model_and_chat_format(args.model)
     with_cache = follow_ups(model, chat_format, True, args.samples, args.words)

@@ -12,7 +12,6 @@ token on an idle engine, and while a long batch job is running.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ from jobs.generation import Generation, GenerationRequest
 from jobs.sampling import SamplingParams
 from jobs.store import Store
 from scheduler.settings import load_settings
-from tools.bench import model_and_chat_format, write_results
+from tools.bench import command_line, model_and_chat_format, write_results
 from tools.bench.workload import Request, stream
 from tools.client import events, percentile
 from tools.launcher import Stack, embedded_redis_server, free_port
@@ -164,11 +163,9 @@ def ttft_under_load(model: str, chat_format: str | None, samples: int) -> dict[s
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", help="GGUF path (default: the demo model)")
+    ap = command_line(__doc__, "parking")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--samples", type=int, default=10)
-    ap.add_argument("--out", default="bench-results/parking.json")
     args = ap.parse_args()
     model, chat_format = model_and_chat_format(args.model)
     results: dict[str, Any] = {

@@ -12,7 +12,6 @@ between the two is what parkq's hops (worker → Redis → web → client) cost.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 from jobs.engine import LlamaEngine
 from scheduler.settings import load_settings
-from tools.bench import greedy_decode, write_results
+from tools.bench import command_line, greedy_decode, write_results
 from tools.bench.workload import Request, stream
 
 
@@ -43,12 +42,10 @@ def _bare(model: str, tokens: int, threads: int | None) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="GGUF model (default: the tiny test model)")
+    ap = command_line(__doc__, "pipeline", "the tiny test model")
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, help="llama.cpp threads (default: PARKQ_N_THREADS)")
-    ap.add_argument("--out", default="bench-results/pipeline.json")
     args = ap.parse_args()
 
     from jobs.testmodel import write_test_model

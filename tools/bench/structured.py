@@ -12,14 +12,13 @@ resume does); writes them as JSON.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 
 from jobs.constraints import grammar_for_json_schema
 from jobs.engine import LlamaEngine
-from tools.bench import model_and_chat_format, write_results
+from tools.bench import command_line, model_and_chat_format, write_results
 
 SCHEMA = {
     "type": "object",
@@ -35,11 +34,9 @@ SCHEMA = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="GGUF model (default: the demo model)")
+    ap = command_line(__doc__, "structured")
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--threads", type=int)
-    ap.add_argument("--out", default="bench-results/structured.json")
     args = ap.parse_args()
     model, _ = model_and_chat_format(args.model)
     engine = LlamaEngine(model, n_ctx=2048, n_batch=256, n_threads=args.threads,

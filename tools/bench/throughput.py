@@ -7,14 +7,13 @@ Without --model it uses the demo model. Prints a table and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 from jobs.engine import LlamaEngine, reference_generate
-from tools.bench import greedy_decode, model_and_chat_format, write_results
+from tools.bench import command_line, greedy_decode, model_and_chat_format, write_results
 from tools.bench.workload import Request, stream
 
 PROMPT = "The history of the printing press"
@@ -59,11 +58,9 @@ def pipeline(model: str, n_ctx: int, tokens: int, chat_format: str | None) -> di
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", help="GGUF path (default: the demo model)")
+    ap = command_line(__doc__, "throughput")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--n-ctx", type=int, default=4096)
-    ap.add_argument("--out", default="bench-results/throughput.json")
     args = ap.parse_args()
     model, chat_format = model_and_chat_format(args.model)
     results: dict[str, Any] = {
