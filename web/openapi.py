@@ -130,6 +130,11 @@ def _link(operation: str, param: str) -> dict[str, Any]:
     return {"operationId": operation, "parameters": {param: "$response.body#/id"}}
 
 
+#: What the description covers: every route of the app but these (the page,
+#: its session, its state feed, the metrics and the description itself).
+UNDESCRIBED = frozenset({"/", "/dashboard/login", "/dashboard/state", "/metrics", "/openapi.json"})
+
+
 def spec(secured: bool = False) -> dict[str, Any]:
     """The description; ``secured``: API keys are required (Bearer)."""
     schemas: dict[str, Any] = {"Error": ERROR}
@@ -137,10 +142,67 @@ def spec(secured: bool = False) -> dict[str, Any]:
         schema = model.model_json_schema(ref_template=REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
-    upload = _obj(
-        "file", "purpose", file={"type": "string", "format": "binary"}, purpose={"enum": ["batch"]}
-    )
     paths: dict[str, Any] = {
+        **_generation_paths(),
+        **_token_paths(),
+        **_job_paths(),
+        **_file_paths(),
+        **_batch_paths(),
+        **_health_paths(),
+    }
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "parkq",
+            "version": "0.1.0",
+            "description": "OpenAI-compatible LLM jobs that park for interactive work.",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+    }
+    if not secured:
+        del doc["security"]
+        del doc["components"]["securitySchemes"]
+        doc["paths"]["/healthz"]["get"].pop("security")
+    _name_operations(paths)
+    return doc
+
+
+def _name_operations(paths: dict[str, Any]) -> None:
+    """Operation ids, and links from what creates an object to what reads it."""
+    for path, ops in paths.items():
+        for method, op in ops.items():
+            op["operationId"] = (
+                f"{method}{path.replace('/', '_').replace('{', '').replace('}', '')}"
+            )
+    links = {
+        "post_v1_files": {
+            "GetFile": _link("get_v1_files_file_id", "file_id"),
+            "GetFileContent": _link("get_v1_files_file_id_content", "file_id"),
+            "DeleteFile": _link("delete_v1_files_file_id", "file_id"),
+        },
+        "post_v1_batches": {
+            "GetBatch": _link("get_v1_batches_batch_id", "batch_id"),
+            "CancelBatch": _link("post_v1_batches_batch_id_cancel", "batch_id"),
+        },
+        "post_v1_completions": {
+            "GetJob": _link("get_v1_jobs_job_id", "job_id"),
+            "CancelJob": _link("delete_v1_jobs_job_id", "job_id"),
+        },
+    }
+    for ops in paths.values():
+        for op in ops.values():
+            if op["operationId"] in links:
+                op["responses"]["200"]["links"] = links[op["operationId"]]
+
+
+def _generation_paths() -> dict[str, Any]:
+    """Chat and text completions, and the model list."""
+    return {
         "/v1/chat/completions": {"post": _generation(ChatRequest, "Chat completion")},
         "/v1/completions": {"post": _generation(CompletionRequest, "Text completion")},
         "/v1/models": {
@@ -149,6 +211,12 @@ def spec(secured: bool = False) -> dict[str, Any]:
                 "responses": _responses(_json(LIST)),
             }
         },
+    }
+
+
+def _token_paths() -> dict[str, Any]:
+    """Tokenize and detokenize (parkq extensions)."""
+    return {
         "/v1/tokenize": {
             "post": {
                 "summary": "Token ids of a text or of chat messages (parkq extension)",
@@ -175,6 +243,12 @@ def spec(secured: bool = False) -> dict[str, Any]:
                 "responses": _responses(_json(_obj("text", text=STR)), "413"),
             }
         },
+    }
+
+
+def _job_paths() -> dict[str, Any]:
+    """A job's state, cancel and event stream (parkq extensions)."""
+    return {
         "/v1/jobs/{job_id}": {
             "get": {
                 "summary": "A job's state",
@@ -202,6 +276,15 @@ def spec(secured: bool = False) -> dict[str, Any]:
                 ),
             }
         },
+    }
+
+
+def _file_paths() -> dict[str, Any]:
+    """The Files API."""
+    upload = _obj(
+        "file", "purpose", file={"type": "string", "format": "binary"}, purpose={"enum": ["batch"]}
+    )
+    return {
         "/v1/files": {
             "post": {
                 "summary": "Upload a batch input file (JSONL)",
@@ -251,6 +334,12 @@ def spec(secured: bool = False) -> dict[str, Any]:
                 ),
             }
         },
+    }
+
+
+def _batch_paths() -> dict[str, Any]:
+    """The Batch API."""
+    return {
         "/v1/batches": {
             "post": {
                 "summary": "Create a batch",
@@ -284,6 +373,12 @@ def spec(secured: bool = False) -> dict[str, Any]:
                 "responses": _responses(_json(BATCH), "404", "409"),
             }
         },
+    }
+
+
+def _health_paths() -> dict[str, Any]:
+    """Liveness of the whole deployment."""
+    return {
         "/healthz": {
             "get": {
                 "summary": "Redis reachable and workers serving this server's model alive",
@@ -306,50 +401,6 @@ def spec(secured: bool = False) -> dict[str, Any]:
             }
         },
     }
-    doc: dict[str, Any] = {
-        "openapi": "3.1.0",
-        "info": {
-            "title": "parkq",
-            "version": "0.1.0",
-            "description": "OpenAI-compatible LLM jobs that park for interactive work.",
-        },
-        "paths": paths,
-        "components": {
-            "schemas": schemas,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
-        "security": [{"bearer": []}],
-    }
-    if not secured:
-        del doc["security"]
-        del doc["components"]["securitySchemes"]
-        doc["paths"]["/healthz"]["get"].pop("security")
-    # Operation ids, and links from what creates an object to what reads it.
-    for path, ops in paths.items():
-        for method, op in ops.items():
-            op["operationId"] = (
-                f"{method}{path.replace('/', '_').replace('{', '').replace('}', '')}"
-            )
-    links = {
-        "post_v1_files": {
-            "GetFile": _link("get_v1_files_file_id", "file_id"),
-            "GetFileContent": _link("get_v1_files_file_id_content", "file_id"),
-            "DeleteFile": _link("delete_v1_files_file_id", "file_id"),
-        },
-        "post_v1_batches": {
-            "GetBatch": _link("get_v1_batches_batch_id", "batch_id"),
-            "CancelBatch": _link("post_v1_batches_batch_id_cancel", "batch_id"),
-        },
-        "post_v1_completions": {
-            "GetJob": _link("get_v1_jobs_job_id", "job_id"),
-            "CancelJob": _link("delete_v1_jobs_job_id", "job_id"),
-        },
-    }
-    for ops in paths.values():
-        for op in ops.values():
-            if op["operationId"] in links:
-                op["responses"]["200"]["links"] = links[op["operationId"]]
-    return doc
 
 
 @bp.get("/openapi.json")
