@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import llama_cpp
@@ -21,11 +22,16 @@ from llama_cpp import _internals, llama_chat_format
 from jobs.constraints import Constraint
 
 __all__ = [
+    "Device",
     "Engine",
     "EngineError",
     "LlamaEngine",
+    "Mismatch",
     "Vocab",
     "build_info",
+    "device_key",
+    "devices",
+    "gpu_layers",
     "reference_generate",
     "set_llama_extra_buffers",
 ]
@@ -33,6 +39,16 @@ __all__ = [
 
 #: Decode steps the batching probe compares per sequence (see probe_batching).
 PROBE_STEPS = 16
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Where a sequence decoded in a batch first got other logits than alone."""
+
+    step: int
+    seq: int
+    position: int
+    max_abs_diff: float
 
 
 class EngineError(RuntimeError):
@@ -74,6 +90,73 @@ def build_info() -> str:
     return f"llama-cpp-python {llama_cpp.__version__}; " + info.decode(errors="replace")
 
 
+@dataclass(frozen=True)
+class Device:
+    """A compute device llama.cpp's backends registered (``CUDA0``, ``CPU``...)."""
+
+    name: str
+    description: str
+    kind: str  # "cpu", "gpu", "igpu", "accel"
+    memory_bytes: int
+
+    def describe(self) -> str:
+        gib = f", {self.memory_bytes / 2**30:.0f} GiB" if self.kind != "cpu" else ""
+        return f"{self.name} ({self.description}{gib})"
+
+
+_DEVICE_KINDS = ("cpu", "gpu", "igpu", "accel", "meta")
+
+
+def devices() -> list[Device]:
+    """Every device of llama.cpp's build here (ggml's backend registry)."""
+    from llama_cpp._ggml import libggml
+
+    lib: Any = libggml
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    for fn in (lib.ggml_backend_dev_name, lib.ggml_backend_dev_description):
+        fn.restype, fn.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_memory.restype = None
+    size_p = ctypes.POINTER(ctypes.c_size_t)
+    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, size_p, size_p]
+    out = []
+    for i in range(int(lib.ggml_backend_dev_count())):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        kind = int(lib.ggml_backend_dev_type(dev))
+        out.append(
+            Device(
+                name=(lib.ggml_backend_dev_name(dev) or b"?").decode(errors="replace"),
+                description=(lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
+                kind=_DEVICE_KINDS[kind] if 0 <= kind < len(_DEVICE_KINDS) else str(kind),
+                memory_bytes=int(total.value),
+            )
+        )
+    return out
+
+
+def gpu_layers(setting: int | None) -> int:
+    """The ``n_gpu_layers`` llama.cpp is given for the setting: unset or -1 means
+    every layer (-1) where llama.cpp can offload to a GPU, else 0."""
+    if setting is None or setting < 0:
+        return -1 if llama_cpp.llama_supports_gpu_offload() else 0
+    return setting
+
+
+def device_key(n_gpu_layers: int | None) -> str:
+    """Where a model loaded with ``n_gpu_layers`` (the setting) would run, for
+    cache keys: the GPU devices and the layer setting, or ``CPU``."""
+    layers = gpu_layers(n_gpu_layers)
+    gpus = [d.describe() for d in devices() if d.kind in ("gpu", "igpu")]
+    if layers == 0 or not gpus:
+        return "CPU"
+    return f"{' + '.join(gpus)}; n_gpu_layers {layers}"
+
+
 def set_llama_extra_buffers(on: bool) -> None:
     """Make llama-cpp-python's own ``Llama`` (and its server) in this process load
     models with extra buffer types ``on`` or off: the bench's peers then run the
@@ -110,10 +193,13 @@ def reference_generate(
     return first - t0, rest
 
 
-def _load_model(path: str, vocab_only: bool, extra_buffers: bool = True) -> _internals.LlamaModel:
+def _load_model(
+    path: str, vocab_only: bool, extra_buffers: bool = True, n_gpu_layers: int = 0
+) -> _internals.LlamaModel:
     _quiet()
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = vocab_only
+    params.n_gpu_layers = 0 if vocab_only else n_gpu_layers
     # Extra buffer types repack weights for the CPU's fastest kernels (AMX, AVX-512
     # repacks); on some machines those kernels crash: jobs/kernels.py decides.
     params.use_extra_bufts = extra_buffers
@@ -130,8 +216,9 @@ class Vocab:
         *,
         vocab_only: bool = True,
         extra_buffers: bool = True,
+        n_gpu_layers: int = 0,
     ):
-        self.model = _load_model(path, vocab_only, extra_buffers)
+        self.model = _load_model(path, vocab_only, extra_buffers, n_gpu_layers)
         self.path = path
         self.extra_buffers = extra_buffers
         self._vocab = self.model.vocab
@@ -264,8 +351,13 @@ class LlamaEngine(Vocab):
         n_seq_max: int = 1,
         chat_format: str | None = None,
         extra_buffers: bool = True,
+        n_gpu_layers: int | None = None,
     ) -> None:
-        super().__init__(path, chat_format, vocab_only=False, extra_buffers=extra_buffers)
+        #: The n_gpu_layers llama.cpp was given (-1: all) (see :func:`gpu_layers`).
+        self.n_gpu_layers = gpu_layers(n_gpu_layers)
+        super().__init__(path, chat_format, vocab_only=False, extra_buffers=extra_buffers,
+                         n_gpu_layers=self.n_gpu_layers)  # fmt: skip
+        self.n_layer = int(llama_cpp.llama_model_n_layer(self.model.model))
         params = llama_cpp.llama_context_default_params()
         per_seq = n_ctx or self.n_ctx_train
         params.n_ctx = per_seq * n_seq_max
@@ -298,6 +390,39 @@ class LlamaEngine(Vocab):
         self._splits: list[list[int]] = []
         self._batch = llama_cpp.llama_batch_init(max(n_batch, n_seq_max), 0, 1)
         self._memory = llama_cpp.llama_get_memory(self.ctx.ctx)
+
+    @property
+    def layers_on_gpu(self) -> int:
+        """Repeating layers llama.cpp keeps on the GPU (the output layer goes
+        too when ``n_gpu_layers`` exceeds them)."""
+        if self.n_gpu_layers < 0:
+            return self.n_layer
+        return min(self.n_gpu_layers, self.n_layer)
+
+    @property
+    def device(self) -> str:
+        """Where the layers run: ``CPU``, or the GPU devices that hold them. Part of
+        the model identity and of the probe caches' keys: logits computed on one
+        device are not those of another, bit for bit."""
+        gpus = [d for d in devices() if d.kind in ("gpu", "igpu")]
+        if self.layers_on_gpu == 0 or not gpus:
+            return "CPU"
+        where = " + ".join(d.describe() for d in gpus)
+        if self.layers_on_gpu < self.n_layer:
+            return f"{where}: {self.layers_on_gpu} of {self.n_layer} layers, the rest on CPU"
+        return where
+
+    def placement(self) -> str:
+        """Where the layers went, for the worker's log."""
+        gpus = [d for d in devices() if d.kind in ("gpu", "igpu")]
+        if not gpus:
+            return f"all {self.n_layer} layers on the CPU (llama.cpp has no GPU backend here)"
+        if self.layers_on_gpu == 0:
+            return f"all {self.n_layer} layers on the CPU (PARKQ_N_GPU_LAYERS=0)"
+        output = " and the output layer" if self.n_gpu_layers < 0 or (
+            self.n_gpu_layers > self.n_layer) else ""  # fmt: skip
+        return (f"{self.layers_on_gpu} of {self.n_layer} layers{output} on "
+                f"{' + '.join(d.describe() for d in gpus)}")  # fmt: skip
 
     def close(self) -> None:
         if self._batch is not None:
@@ -348,20 +473,38 @@ class LlamaEngine(Vocab):
         assert logits is not None
         return logits
 
-    def _batch_matches(
+    def probe_reference(self, count: int) -> tuple[list[list[int]], list[list[np.ndarray]]]:
+        """``count`` probe prompts (see :meth:`_probe_prompts`), each prefilled on
+        its own sequence, and the logits each gets alone at every probe step
+        (greedy). The reference :meth:`batch_mismatch` compares with."""
+        self.clear(-1)
+        prompts = self._probe_prompts(count)
+        alone: list[list[np.ndarray]] = []
+        for seq, ids in enumerate(prompts):
+            out = [self._prefill(ids, seq)]
+            for step in range(PROBE_STEPS):
+                out.append(self.eval([int(np.argmax(out[-1]))], len(ids) + step, seq))
+            alone.append(out)
+        return prompts, alone
+
+    def batch_mismatch(
         self, size: int, prompts: list[list[int]], alone: list[list[np.ndarray]]
-    ) -> bool:
-        """Whether ``size`` sequences decoded together (one call per step) get,
-        bit for bit, the logits each got alone. Leaves the prompts in place."""
+    ) -> Mismatch | None:
+        """Decode the first ``size`` probe sequences together (one call per step)
+        for PROBE_STEPS steps; the first step at which one of them gets other
+        logits than alone, or None when every logit is bit-identical. Leaves
+        the prompts in place."""
         for seq in range(size):
             self.truncate(len(prompts[seq]), seq)
         last = [alone[seq][0] for seq in range(size)]
         for step in range(PROBE_STEPS):
             calls = [(s, int(np.argmax(last[s])), len(prompts[s]) + step) for s in range(size)]
             last = self._decode(calls) if size > 1 else [self.eval([calls[0][1]], calls[0][2], 0)]
-            if not all(np.array_equal(last[s], alone[s][step + 1]) for s in range(size)):
-                return False
-        return True
+            for s in range(size):
+                if not np.array_equal(last[s], alone[s][step + 1]):
+                    diff = float(np.max(np.abs(last[s] - alone[s][step + 1])))
+                    return Mismatch(step, s, len(prompts[s]) + step, diff)
+        return None
 
     def invariant_batch_size(self, limit: int | None = None) -> int:
         """The most sequences (up to ``limit``) one decode call may take with every
@@ -375,16 +518,9 @@ class LlamaEngine(Vocab):
         a sequence's logits change within a few steps past 400 positions. Clears
         every sequence."""
         limit = min(limit or self.n_seq_max, self.n_seq_max)
-        self.clear(-1)
-        prompts = self._probe_prompts(limit)
-        alone: list[list[np.ndarray]] = []
-        for seq, ids in enumerate(prompts):
-            out = [self._prefill(ids, seq)]
-            for step in range(PROBE_STEPS):
-                out.append(self.eval([int(np.argmax(out[-1]))], len(ids) + step, seq))
-            alone.append(out)
+        prompts, alone = self.probe_reference(limit)
         invariant = 0
-        while invariant < limit and self._batch_matches(invariant + 1, prompts, alone):
+        while invariant < limit and self.batch_mismatch(invariant + 1, prompts, alone) is None:
             invariant += 1
         self.clear(-1)
         return max(invariant, 1)  # one call per sequence is "alone" by definition

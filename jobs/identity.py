@@ -40,6 +40,9 @@ class ModelIdentity:
     n_ctx: int
     n_vocab: int
     vocab_digest: str  # SHA-256 over every token's bytes, in id order
+    #: Where the worker computes (``CPU``, ``CUDA0 (NVIDIA H200, 140 GiB)``...):
+    #: the same weights give other logits, bit for bit, on another device.
+    device: str = "CPU"
 
     def fields(self) -> dict[str, str]:
         """The Redis hash fields that announce it (prefixed ``model_``)."""
@@ -55,6 +58,7 @@ class ModelIdentity:
                 n_ctx=int(raw["model_n_ctx"]),
                 n_vocab=int(raw["model_n_vocab"]),
                 vocab_digest=raw["model_vocab_digest"],
+                device=raw.get("model_device", "CPU"),
             )
         except (KeyError, ValueError):
             return None
@@ -107,13 +111,19 @@ def vocab_digest(vocab: _Vocabulary) -> str:
 
 
 def identify(
-    name: str, path: str, vocab: _Vocabulary, n_ctx: int, cache_dir: str | None = None
+    name: str,
+    path: str,
+    vocab: _Vocabulary,
+    n_ctx: int,
+    cache_dir: str | None = None,
+    device: str = "CPU",
 ) -> ModelIdentity:
-    """The identity of the model file ``path`` as loaded into ``vocab``."""
+    """The identity of the model file ``path`` as loaded into ``vocab`` (on ``device``)."""
     return ModelIdentity(
         name=name,
         digest=file_digest(path, cache_dir),
         n_ctx=n_ctx,
         n_vocab=vocab.n_vocab,
         vocab_digest=vocab_digest(vocab),
+        device=device,
     )

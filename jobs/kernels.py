@@ -60,9 +60,11 @@ class KernelChoice:
     reason: str
 
 
-def probe_command(model: str) -> list[str]:
-    """The command that probes ``model`` with extra buffers on (a fresh interpreter)."""
-    return [sys.executable, "-m", "jobs.kernels", "probe", model]
+def probe_command(model: str, n_gpu_layers: int | None = None) -> list[str]:
+    """The command that probes ``model`` with extra buffers on (a fresh
+    interpreter), with the worker's layers on the GPU."""
+    layers = "" if n_gpu_layers is None else str(n_gpu_layers)
+    return [sys.executable, "-m", "jobs.kernels", "probe", model, layers]
 
 
 def peer_server_command(extra_buffers: bool) -> list[str]:
@@ -126,8 +128,11 @@ def choose_kernels(
     *,
     command: Sequence[str] | None = None,
     timeout: float = PROBE_TIMEOUT_SECONDS,
+    n_gpu_layers: int | None = None,
 ) -> KernelChoice:
-    """Decide extra buffers ``on``/``off`` for ``model``; ``auto`` probes once and caches.
+    """Decide extra buffers ``on``/``off`` for ``model``; ``auto`` probes once and
+    caches, per llama.cpp build, CPU, model file and devices (``n_gpu_layers``:
+    the worker's setting; a verdict for the CPU is not one for a GPU).
 
     ``command`` replaces the probe child (the tests inject one that crashes).
     """
@@ -137,16 +142,16 @@ def choose_kernels(
         return KernelChoice(False, "PARKQ_EXTRA_BUFFERS=off")
     if mode != "auto":
         raise ValueError(f"extra buffers mode must be auto, on or off, not {mode!r}")
-    from jobs.engine import build_info
+    from jobs.engine import build_info, device_key
 
-    path = _cache_path(cache_dir, _cache_key(model, build_info()))
+    path = _cache_path(cache_dir, _cache_key(model, f"{build_info()}\n{device_key(n_gpu_layers)}"))
     try:
         cached = json.loads(path.read_text())
         return KernelChoice(bool(cached["extra_buffers"]), f"cached: {cached['reason']}")
     except (OSError, ValueError, KeyError, TypeError):
         pass
     log.info("probing llama.cpp's extra buffer types on %s in a child process", model)
-    choice = _probe(command or probe_command(model), timeout)
+    choice = _probe(command or probe_command(model, n_gpu_layers), timeout)
     _remember(path, {"extra_buffers": choice.extra_buffers, "reason": choice.reason})
     return choice
 
@@ -166,10 +171,12 @@ def _remember(path: Path, verdict: dict[str, object]) -> None:
 def invariant_batch_size(engine: LlamaEngine, limit: int, cache_dir: str | None) -> tuple[int, str]:
     """How many sequences one decode call of ``engine`` may take and stay exact
     (:meth:`LlamaEngine.invariant_batch_size`), checked once and cached per
-    llama.cpp build, CPU, model file and engine shape; and where it came from."""
+    llama.cpp build, CPU, model file, engine shape and device (CUDA's kernels are
+    not the CPU's); and where it came from."""
     from jobs.engine import build_info
 
-    shape = f"batch {limit} threads {engine.n_threads} ctx {engine.n_ctx} seqs {engine.n_seq_max}"
+    shape = (f"batch {limit} threads {engine.n_threads} ctx {engine.n_ctx} "
+             f"seqs {engine.n_seq_max} device {engine.device}")  # fmt: skip
     key = _cache_key(engine.path, f"{build_info()}\n{shape}\n{engine.extra_buffers}")
     path = _cache_path(cache_dir, key)
     try:
@@ -190,7 +197,8 @@ def worker_kernels(settings: Settings) -> KernelChoice:
     beside 3 others gets other logits than alone (measured on an AVX-512 CPU,
     demo model: batch-invariant up to 3 sequences with repacked weights, up to 7
     without, and a lone sequence decodes as fast either way)."""
-    choice = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir)
+    choice = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir,
+                            n_gpu_layers=settings.n_gpu_layers)  # fmt: skip
     if choice.extra_buffers and settings.max_seqs > 1 and settings.extra_buffers == "auto":
         return KernelChoice(
             False,
@@ -200,13 +208,14 @@ def worker_kernels(settings: Settings) -> KernelChoice:
     return choice
 
 
-def _run_probe(model: str) -> None:
+def _run_probe(model: str, n_gpu_layers: int | None) -> None:
     """The child: load with extra buffers on, prefill a few tokens, decode a few."""
     import numpy as np
 
     from jobs.engine import LlamaEngine
 
-    engine = LlamaEngine(model, n_ctx=256, n_batch=64, n_threads=None, extra_buffers=True)
+    engine = LlamaEngine(model, n_ctx=256, n_batch=64, n_threads=None, extra_buffers=True,
+                         n_gpu_layers=n_gpu_layers)  # fmt: skip
     prompt = engine.tokenize("The quick brown fox jumps over the lazy dog.")[:32]
     logits = engine.eval(prompt, 0)
     pos = len(prompt)
@@ -231,7 +240,8 @@ def _serve(extra_buffers: bool, argv: list[str]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "probe":
-        _run_probe(sys.argv[2])
+        layers = sys.argv[3] if len(sys.argv) > 3 else ""
+        _run_probe(sys.argv[2], int(layers) if layers else None)
     elif sys.argv[1] == "serve":
         _serve(sys.argv[2] == "on", sys.argv[3:])
     else:

@@ -61,6 +61,9 @@ class Claim:
     job_id: str
     #: The fencing token of this execution: every write of it must carry it.
     exec_token: str
+    #: The device that computed the job so far, when it is not this worker's
+    #: (the continuation is then not bit-identical to an uninterrupted run).
+    moved_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -397,12 +400,14 @@ class Store:
                 "0" if self.settings.preempt else "1",
                 self.model.digest if self.model else "",
                 proc or worker,
+                self.model.device if self.model else "CPU",
             ],
         )
         if not got:
             return None
         job_id, exec_token = as_text(got[0]), as_text(got[1])
-        return Claim(job_id, exec_token)
+        moved = as_text(got[2]) if len(got) > 2 else ""
+        return Claim(job_id, exec_token, moved or None)
 
     def step(
         self,

@@ -11,12 +11,22 @@ from __future__ import annotations
 
 import string
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
 
-__all__ = ["CHAT_TEMPLATE", "GEMMA_CONTROL_TOKENS", "GEMMA_TEMPLATE", "QUANTS", "write_test_model"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "GEMMA_CONTROL_TOKENS",
+    "GEMMA_TEMPLATE",
+    "QUANTS",
+    "SHAPES",
+    "Shape",
+    "write_shaped_model",
+    "write_test_model",
+]
 
 N_EMBD = 64
 N_HEAD = 4
@@ -169,6 +179,116 @@ def _vocab(
         scores.append(-1000.0 + 10.0 * len(piece))
         types.append(gguf.TokenType.NORMAL)
     return tokens, scores, types
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The dimensions of a random-weight model of the llama architecture."""
+
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_vocab: int  # padded with filler tokens up to this size
+    n_ctx_train: int
+
+
+#: Real shapes for measuring speed (random weights, written straight in their
+#: quantized form, so a 1 B model takes seconds): ``small`` for a CPU dry run,
+#: ``1b`` the shape of Llama 3.2 1B (tied embeddings, 128,256 tokens).
+SHAPES: dict[str, Shape] = {
+    "small": Shape(n_embd=256, n_layer=4, n_head=8, n_head_kv=4, n_ff=768, n_vocab=32_000,
+                   n_ctx_train=8192),
+    "1b": Shape(n_embd=2048, n_layer=16, n_head=32, n_head_kv=8, n_ff=8192, n_vocab=128_256,
+                n_ctx_train=8192),
+}  # fmt: skip
+
+#: Bytes per block of 32 weights and the spread of a block's quantized values
+#: (uniform random bytes), for the quantized types a shaped model can take.
+_BLOCK = {"q8_0": (34, 73.0), "q4_0": (18, 4.6)}
+
+
+def _random_quantized(rng: np.random.Generator, rows: int, cols: int, quant: str,
+                      std: float) -> np.ndarray:  # fmt: skip
+    """Random weights of standard deviation ``std`` in ``quant``'s block layout
+    (an f16 scale, then the packed values), as GGUFWriter takes raw data."""
+    size, spread = _BLOCK[quant]
+    blocks = rng.integers(0, 256, size=(rows, cols // 32, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(std / spread).tobytes(), dtype=np.uint8)
+    blocks[:, :, 0:2] = scale
+    return blocks.reshape(rows, (cols // 32) * size)
+
+
+def write_shaped_model(path: str | Path, shape: str, quant: str = "q8_0", seed: int = 0) -> Path:
+    """A random-weight model of a real shape (``SHAPES``), weights ``q8_0`` or
+    ``q4_0``: for speed and exactness on real kernels, not for text."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, not {shape!r}")
+    if quant not in _BLOCK:
+        raise ValueError(f"a shaped model's quant must be one of {', '.join(_BLOCK)}")
+    dims = SHAPES[shape]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tokens, scores, types = _vocab()
+    filler = dims.n_vocab - len(tokens)
+    tokens += [f"\u2581w{i:06d}".encode() for i in range(filler)]
+    scores += [-2000.0] * filler
+    types += [gguf.TokenType.NORMAL] * filler
+    qtype, file_type = QUANTS[quant]
+    head_dim = dims.n_embd // dims.n_head
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"parkq-{shape}-{seed}-{quant}")
+    w.add_context_length(dims.n_ctx_train)
+    w.add_embedding_length(dims.n_embd)
+    w.add_feed_forward_length(dims.n_ff)
+    w.add_block_count(dims.n_layer)
+    w.add_head_count(dims.n_head)
+    w.add_head_count_kv(dims.n_head_kv)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(500_000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(file_type)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def matrix(name: str, rows: int, cols: int, std: float) -> None:
+        data = _random_quantized(rng, rows, cols, quant, std)
+        w.add_tensor(name, data, raw_dtype=qtype)
+
+    def norm(name: str) -> None:
+        w.add_tensor(name, np.ones(dims.n_embd, dtype=np.float32))
+
+    kv = dims.n_head_kv * head_dim
+    matrix("token_embd.weight", dims.n_vocab, dims.n_embd, 1.0)
+    norm("output_norm.weight")
+    # Logits of a few units' spread: greedy text varies, sampling has choices.
+    matrix("output.weight", dims.n_vocab, dims.n_embd, 3.0 / dims.n_embd**0.5)
+    for i in range(dims.n_layer):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight")
+        matrix(p + "attn_q.weight", dims.n_embd, dims.n_embd, 0.05)
+        matrix(p + "attn_k.weight", kv, dims.n_embd, 0.05)
+        matrix(p + "attn_v.weight", kv, dims.n_embd, 0.05)
+        matrix(p + "attn_output.weight", dims.n_embd, dims.n_embd, 0.02)
+        norm(p + "ffn_norm.weight")
+        matrix(p + "ffn_gate.weight", dims.n_ff, dims.n_embd, 0.02)
+        matrix(p + "ffn_up.weight", dims.n_ff, dims.n_embd, 0.02)
+        matrix(p + "ffn_down.weight", dims.n_embd, dims.n_ff, 0.02)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 def write_test_model(

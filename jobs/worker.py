@@ -199,6 +199,14 @@ class Worker(Executions):
             self._start(slot, claim)
 
     def _start(self, slot: Slot, claim: Claim) -> None:
+        if claim.moved_from is not None:
+            log.warning(
+                "job %s was computed on %s and continues on %s: from here on its tokens "
+                "are not bit-identical to an uninterrupted run's",
+                claim.job_id,
+                claim.moved_from,
+                self.store.model.device if self.store.model else "CPU",
+            )
         running = Running(slot, claim.job_id)
         running.run = self._execution(slot, claim, running)
         try:

@@ -88,6 +88,13 @@ class Settings(BaseSettings):
     n_threads: int | None = Field(
         None, ge=1, description="Decode threads; unset: one per available core."
     )
+    n_gpu_layers: int | None = Field(
+        None,
+        ge=-1,
+        description="Model layers llama.cpp keeps on the GPU; unset or -1: all of them when "
+        "llama.cpp was built with a GPU backend (CUDA, Metal, Vulkan...), else none; 0: run "
+        "on the CPU. The worker logs the backend, the device and where the layers went.",
+    )
     extra_buffers: Literal["auto", "on", "off"] = Field(
         "auto",
         description=(

@@ -12,7 +12,7 @@ from typing import Any
 import click
 import redis
 
-from jobs.engine import LlamaEngine
+from jobs.engine import LlamaEngine, build_info
 from jobs.identity import identify
 from jobs.kernels import invariant_batch_size, worker_kernels
 from jobs.worker import Worker, default_worker_name
@@ -43,9 +43,12 @@ def run_worker(settings: Settings) -> None:
             n_seq_max=settings.max_seqs + settings.parked_seqs,
             chat_format=settings.chat_format,
             extra_buffers=kernels.extra_buffers,
+            n_gpu_layers=settings.n_gpu_layers,
         )
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(f"cannot load the model {settings.model}: {exc}") from None
+    log.info("llama.cpp: %s", build_info())
+    log.info("model %s: %s", settings.model, engine.placement())
     if settings.max_seqs > 1:
         size, how = invariant_batch_size(engine, settings.max_seqs, settings.cache_dir)
         engine.plan_batching(size)
@@ -58,8 +61,9 @@ def run_worker(settings: Settings) -> None:
             engine.splits_described(),
         )
     identity = identify(
-        model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir
-    )
+        model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir,
+        device=engine.device,
+    )  # fmt: skip
     name = settings.worker_name or default_worker_name()
     client = redis.Redis.from_url(
         settings.redis_url or "",

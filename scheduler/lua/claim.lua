@@ -4,12 +4,17 @@
 --       affinity seconds, how many queue entries to consider, '1' if the
 --       worker never parks (then no one asks it to), the digest of the
 --       worker's model ('' for any), the name of the worker's process (its
---       sequences share the process's checkpoints)
+--       sequences share the process's checkpoints), the worker's device
+-- The first claim stamps the job with the device that computes it; a claim on
+-- another device counts a move (the same weights round otherwise there, so the
+-- rest is not what an uninterrupted run would have said) and names the device
+-- it came from.
 -- A job stamped with another model's digest is left for a worker serving that
 -- model: its token ids mean nothing to this one.
 -- A parked job whose checkpoint lives in another live worker process is left to
 -- that process for `affinity seconds` after it was parked; then anyone may take it.
--- Returns {id, execution token} or false when nothing fits.
+-- Returns {id, execution token, the device it moved from or ''} or false when
+-- nothing fits.
 local claimable = state_set(ARGV[4])
 local now = tonumber(ARGV[3])
 local affinity = tonumber(ARGV[5])
@@ -43,7 +48,16 @@ for _, id in ipairs(top) do
                  'pinned', ARGV[7])
       redis.call('HDEL', KEYS[2], 'preempt')
       redis.call('ZADD', KEYS[3], key, ARGV[2])
-      return {id, tostring(exec)}
+      local was = redis.call('HGET', job, 'device')
+      local moved = ''
+      if not was then
+        redis.call('HSET', job, 'device', ARGV[10])
+      elseif was ~= ARGV[10] then
+        moved = was
+        redis.call('HSET', job, 'device', ARGV[10])
+        redis.call('HINCRBY', job, 'device_moves', 1)
+      end
+      return {id, tostring(exec), moved}
     end
   end
 end

@@ -23,19 +23,37 @@ import threading
 import time
 from typing import Any
 
+from jobs.engine import gpu_layers
 from scheduler.settings import load_settings
 from tools.bench import command_line, write_results
 from tools.bench.llama_server import llama_server_path, running_llama_server
 from tools.bench.workload import Request, stream
 from tools.client import percentile
 
+#: The sampling arms: each system's request fields for it. ``default`` is what
+#: the openai client sends when told nothing (no temperature, no top_p: parkq's
+#: defaults, 1.0 and 1.0); llama-server is asked for the same distribution
+#: (its own defaults add top_k 40 and min_p 0.05).
+SAMPLING: dict[str, dict[str, dict[str, Any]]] = {
+    "greedy": {"parkq": {"temperature": 0}, "llama-server": {"temperature": 0}},
+    "default": {
+        "parkq": {},
+        "llama-server": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0},
+    },
+}
 
-def _burst(base_url: str, clients: int, tokens: int) -> dict[str, Any]:
+
+def burst(
+    base_url: str, clients: int, tokens: int, sampling: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``clients`` simultaneous streamed completions of ``tokens`` tokens (each
+    with its own seed); TTFT, inter-token and aggregate figures."""
     url = f"{base_url}/v1/completions"
     reqs = [Request("short", 0.0) for _ in range(clients)]
     bodies = [
         {"prompt": f"Question {i}: what is a parking queue?\nAnswer:", "max_tokens": tokens,
-         "temperature": 0, "ignore_eos": True, "priority": "interactive"}
+         "ignore_eos": True, "priority": "interactive", "seed": i,
+         **(SAMPLING["greedy"]["parkq"] if sampling is None else sampling)}
         for i in range(clients)
     ]  # fmt: skip
     threads = [
@@ -89,12 +107,18 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, help="llama.cpp threads (default: PARKQ_N_THREADS)")
     ap.add_argument("--peer-server", help="llama-server binary (default: the cached build)")
+    ap.add_argument("--sampling", default="greedy,default",
+                    help="arms: greedy, default (the openai client's: temperature 1)")  # fmt: skip
     args = ap.parse_args()
 
     from jobs.kernels import worker_kernels
     from tools.launcher import Stack
 
     clients_list = [int(x) for x in args.clients.split(",")]
+    arms = [a for a in args.sampling.split(",") if a]
+    unknown = [a for a in arms if a not in SAMPLING]
+    if unknown:
+        ap.error(f"--sampling takes {', '.join(SAMPLING)}, not {', '.join(unknown)}")
     seqs_list = [int(x) for x in args.seqs.split(",")]
     rows = []
     for seqs in seqs_list:
@@ -105,10 +129,11 @@ def main() -> None:
             overrides["n_threads"] = args.threads
         settings = load_settings(**overrides)
         with Stack(settings) as stack:
-            _burst(stack.base_url, 1, 8)  # warm: the model's pages, the first prefill
-            for clients in clients_list:
-                row = {"system": "parkq", "max_seqs": seqs,
-                       **_burst(stack.base_url, clients, args.tokens)}  # fmt: skip
+            burst(stack.base_url, 1, 8)  # warm: the model's pages, the first prefill
+            for arm, clients in ((a, c) for a in arms for c in clients_list):
+                fields = SAMPLING[arm]["parkq"]
+                row = {"system": "parkq", "max_seqs": seqs, "sampling": arm,
+                       **burst(stack.base_url, clients, args.tokens, fields)}  # fmt: skip
                 rows.append(row)
                 print(row, flush=True)
     peer = _peer_binary(args.peer_server)
@@ -116,21 +141,25 @@ def main() -> None:
         settings = settings.model_copy(update={"max_seqs": max(seqs_list)})
         extra = worker_kernels(settings)
         threads = settings.n_threads or len(os.sched_getaffinity(0))
+        layers = gpu_layers(settings.n_gpu_layers)
         with running_llama_server(peer, model=settings.model or "", seqs=max(seqs_list),
                                   n_ctx=settings.n_ctx, threads=threads,
-                                  extra_buffers=extra.extra_buffers) as base:  # fmt: skip
-            _burst(base, 1, 8)
-            for clients in clients_list:
-                row = {"system": "llama-server", "max_seqs": max(seqs_list),
-                       **_burst(base, clients, args.tokens)}  # fmt: skip
+                                  extra_buffers=extra.extra_buffers,
+                                  gpu_layers=layers) as base:  # fmt: skip
+            burst(base, 1, 8)
+            for arm, clients in ((a, c) for a in arms for c in clients_list):
+                peer_fields = SAMPLING[arm]["llama-server"]
+                row = {"system": "llama-server", "max_seqs": max(seqs_list), "sampling": arm,
+                       **burst(base, clients, args.tokens, peer_fields)}  # fmt: skip
                 rows.append(row)
                 print(row, flush=True)
-    print(f"\n{'system':>12} {'seqs':>5} {'clients':>7} {'TTFT p50':>9} {'p95':>8} {'max':>8} "
-          f"{'ITL p95':>8} {'tok/s':>7}")  # fmt: skip
+    print(f"\n{'system':>12} {'seqs':>5} {'sampling':>8} {'clients':>7} {'TTFT p50':>9} "
+          f"{'p95':>8} {'max':>8} {'ITL p95':>8} {'tok/s':>7}")  # fmt: skip
     for r in rows:
-        cells = [r["system"], r["max_seqs"], r["clients"], r["ttft_ms_p50"], r["ttft_ms_p95"],
-                 r["ttft_ms_max"], r["inter_token_ms_p95"], r["aggregate_tok_s"]]  # fmt: skip
-        widths = (12, 5, 7, 9, 8, 8, 8, 7)
+        cells = [r["system"], r["max_seqs"], r["sampling"], r["clients"], r["ttft_ms_p50"],
+                 r["ttft_ms_p95"], r["ttft_ms_max"], r["inter_token_ms_p95"],
+                 r["aggregate_tok_s"]]  # fmt: skip
+        widths = (12, 5, 8, 7, 9, 8, 8, 8, 7)
         print(" ".join(f"{c!s:>{w}}" for c, w in zip(cells, widths, strict=True)))
     write_results(args.out, {"model": settings.model, "threads": settings.n_threads,
                              "tokens": args.tokens, "rows": rows})  # fmt: skip

@@ -53,12 +53,16 @@ def server_args(
     n_ctx: int,
     threads: int,
     extra_buffers: bool,
+    gpu_layers: int = 0,
 ) -> list[str]:
     """The peer's command line, matched to a parkq worker's settings: ``seqs``
-    parallel slots of ``n_ctx`` positions each, the same threads, and the same
-    kernel path (``--no-repack`` where parkq turns extra buffer types off)."""
+    parallel slots of ``n_ctx`` positions each, the same threads, the same
+    layers on the GPU (``gpu_layers``, -1: all), no flash attention (parkq turns
+    it off) and the same kernel path (``--no-repack`` where parkq turns extra
+    buffer types off)."""
     argv = [str(binary), "--model", model, "--host", "127.0.0.1", "--port", str(port),
             "-np", str(seqs), "-c", str(n_ctx * seqs), "-t", str(threads), "-tb", str(threads),
+            "-ngl", str(999 if gpu_layers < 0 else gpu_layers), "-fa", "off",
             "--cont-batching", "--no-webui", "--log-disable"]  # fmt: skip
     if not extra_buffers:
         argv.append("--no-repack")
@@ -102,13 +106,15 @@ def running_llama_server(
     n_ctx: int,
     threads: int,
     extra_buffers: bool,
+    gpu_layers: int = 0,
 ) -> Iterator[str]:
     """``llama-server`` on a free loopback port, until the block ends; its base URL."""
     from tools.launcher import free_port
 
     port = free_port()
     argv = server_args(binary, model=model, port=port, seqs=seqs, n_ctx=n_ctx,
-                       threads=threads, extra_buffers=extra_buffers)  # fmt: skip
+                       threads=threads, extra_buffers=extra_buffers,
+                       gpu_layers=gpu_layers)  # fmt: skip
     with serving(argv, f"http://127.0.0.1:{port}", "/health", "llama-server") as base:
         yield base
 

@@ -12,7 +12,7 @@ import numpy as np
 import redis
 import requests
 
-from jobs.engine import reference_generate, set_llama_extra_buffers
+from jobs.engine import gpu_layers, reference_generate, set_llama_extra_buffers
 from jobs.kernels import peer_server_command, worker_kernels
 from jobs.store import Store
 from scheduler.settings import Settings
@@ -138,7 +138,8 @@ def run_llama_server(
     threads = settings.n_threads or len(os.sched_getaffinity(0))
     with running_llama_server(binary, model=settings.model or "", seqs=max(2, settings.max_seqs),
                               n_ctx=settings.n_ctx, threads=threads,
-                              extra_buffers=extra.extra_buffers) as base:  # fmt: skip
+                              extra_buffers=extra.extra_buffers,
+                              gpu_layers=gpu_layers(settings.n_gpu_layers)) as base:  # fmt: skip
         _warm(base)
         obs = play(base, workload, {"ignore_eos": True})
     return summarize(obs), timeline(obs)

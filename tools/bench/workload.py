@@ -25,6 +25,8 @@ SHORT_BODY = {
     "temperature": 0,
     "priority": "interactive",
 }
+#: Greedy: what the workload sends unless told another sampling.
+GREEDY: dict[str, Any] = {"temperature": 0}
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,13 @@ class Workload:
     long_prompt_words: int = 64
     seed: int = 0
     shorts: bool = True
+    #: Every request's sampling fields (None: greedy); ``{}`` sends none, as the
+    #: openai client does when told nothing (the server's defaults).
+    sampling: dict[str, Any] | None = None
+
+    @property
+    def sampling_fields(self) -> dict[str, Any]:
+        return GREEDY if self.sampling is None else self.sampling
 
     def arrivals(self) -> list[float]:
         """Offsets (seconds from the start) of the short requests."""
@@ -115,11 +124,13 @@ def play(base_url: str, workload: Workload, long_extra: dict[str, Any]) -> Obser
     long_body = {
         "prompt": workload.long_prompt(),
         "max_tokens": workload.long_tokens,
-        "temperature": 0,
         "priority": "batch",
+        **workload.sampling_fields,
         **long_extra,
     }
-    short_body = {**SHORT_BODY, "max_tokens": workload.short_tokens, **long_extra}
+    short_fields = {k: v for k, v in SHORT_BODY.items() if k != "temperature"}
+    short_body = {**short_fields, "max_tokens": workload.short_tokens, **workload.sampling_fields,
+                  **long_extra}  # fmt: skip
 
     def longs() -> None:
         while time.monotonic() < deadline and not stop.is_set():

@@ -1,0 +1,488 @@
+"""The GPU check: what parkq's promises and speed are on the engine's backend,
+measured in one run that fits one call of a lent GPU machine (docs/gpu.md).
+
+    python -m tools.bench.gpu --out DIR [--cpu] [--server PATH] [--seconds N]
+
+Sections, in order, each within what is left of ``--seconds`` (a section that
+fails is recorded with its error and the next one runs):
+
+- ``environment``: the card (nvidia-smi), llama.cpp's build and devices;
+- ``models``: random-weight models of a real shape (``1b``: Llama 3.2 1B's
+  shape; ``--cpu``: ``small``) in Q8_0 and Q4_0;
+- ``probe``: for each batch size up to 16 (``--cpu``: 4), whether every
+  sequence decoded in one call gets, bit for bit, the logits it gets alone,
+  and where it first differs; the size the worker would take;
+- ``park``: saving and restoring one sequence's KV at 500 and 4,000 positions
+  (the checkpoint copy), and whether the next logits after the restore are
+  bit-identical to those of the uninterrupted run;
+- ``step``: one decode call of 1, 8 and 16 sequences, and sampling one token
+  over the whole vocabulary (greedy, temperature 1): the engine's and the
+  sampler's shares of a step;
+- ``concurrency``: 1-16 simultaneous streams, greedy and the openai client's
+  default sampling, against ``parkq up`` (PARKQ_MAX_SEQS 1 and 16) and
+  ``llama-server`` from the same build with 16 slots;
+- ``mixed``: a long batch job while short chats arrive, parkq against
+  ``llama-server`` with the same slots, both sampling arms;
+- ``exactness``: parkq's tests that run real llama.cpp (engine, batching,
+  parking, quantized models), against this build.
+
+Writes ``gpu-check.json`` and ``gpu-check.md`` into ``--out`` and prints the
+Markdown last. ``--cpu`` is the dry run (small model, short runs): CI runs it so
+the check cannot rot between the sessions that have a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Check", "main", "markdown"]
+
+#: Seconds each section may take at most, as a share of the check's total.
+SHARES = {
+    "environment": 0.02,
+    "models": 0.06,
+    "probe": 0.12,
+    "park": 0.06,
+    "step": 0.05,
+    "concurrency": 0.35,
+    "mixed": 0.22,
+    "exactness": 1.0,  # the last: whatever is left
+}
+
+
+@dataclass
+class Check:
+    out: Path
+    cpu: bool
+    server: str | None
+    deadline: float
+    work: Path
+    results: dict[str, Any] = field(default_factory=dict)
+    models: dict[str, str] = field(default_factory=dict)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    @property
+    def limit(self) -> int:
+        """The most sequences one engine runs in this check."""
+        return 4 if self.cpu else 16
+
+
+def _run(cmd: list[str], timeout: float = 30) -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"({exc})"
+    return (done.stdout or done.stderr).strip()
+
+
+def environment(check: Check) -> dict[str, Any]:
+    from jobs.engine import build_info, devices
+
+    smi = shutil.which("nvidia-smi")
+    fields = "name,driver_version,memory.total,clocks.max.sm,power.limit"
+    return {
+        "gpu": _run([smi, f"--query-gpu={fields}", "--format=csv,noheader"]) if smi else None,
+        "llama_cpp": build_info(),
+        "devices": [d.describe() + f" [{d.kind}]" for d in devices()],
+        "python": sys.version.split()[0],
+        "cpus": len(os.sched_getaffinity(0)),
+        "machine": platform.machine(),
+        "parkq_commit": _run(["git", "rev-parse", "--short", "HEAD"]) or None,
+        "llama_cpp_python": metadata.version("llama-cpp-python"),
+    }
+
+
+def models(check: Check) -> dict[str, Any]:
+    from jobs.testmodel import write_shaped_model
+
+    shape = "small" if check.cpu else "1b"
+    out: dict[str, Any] = {"shape": shape}
+    for quant in ("q8_0", "q4_0"):
+        t0 = time.perf_counter()
+        path = write_shaped_model(check.work / f"{shape}-{quant}.gguf", shape, quant)
+        check.models[quant] = str(path)
+        out[quant] = {"bytes": path.stat().st_size, "write_s": round(time.perf_counter() - t0, 1)}
+    return out
+
+
+def _engine(model: str, seqs: int, n_ctx: int) -> Any:
+    from jobs.engine import LlamaEngine
+
+    return LlamaEngine(model, n_ctx=n_ctx, n_batch=256, n_seq_max=seqs, extra_buffers=False)
+
+
+def probe(check: Check) -> dict[str, Any]:
+    """Every batch size, not only up to the first that fails: on CUDA the
+    kernels change with the batch width, so a size can fail and a larger pass."""
+    from jobs.kernels import invariant_batch_size
+
+    out: dict[str, Any] = {}
+    for quant, model in check.models.items():
+        if check.left() < 5:
+            break
+        t0 = time.perf_counter()
+        engine = _engine(model, check.limit, 2048)
+        prompts, alone = engine.probe_reference(check.limit)
+        sizes: dict[str, Any] = {}
+        for size in range(1, check.limit + 1):
+            miss = engine.batch_mismatch(size, prompts, alone)
+            sizes[str(size)] = (
+                "identical"
+                if miss is None
+                else {
+                    "step": miss.step,
+                    "seq": miss.seq,
+                    "position": miss.position,
+                    "max_abs_diff": miss.max_abs_diff,
+                }
+            )
+        verdict, _ = invariant_batch_size(engine, check.limit, str(check.work / "cache"))
+        engine.plan_batching(verdict)
+        out[quant] = {
+            "device": engine.device,
+            "placement": engine.placement(),
+            "prompt_positions": [len(p) for p in prompts],
+            "sizes": sizes,
+            "worker_takes": verdict,
+            "worker_splits": engine.splits_described(),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        engine.close()
+    return out
+
+
+def _ms(samples: list[float]) -> float:
+    return round(1000 * float(np.median(samples)), 3)
+
+
+def park(check: Check) -> dict[str, Any]:
+    """The checkpoint copy of one sequence (KV out of the device, and back) and
+    the exactness of what follows it."""
+    engine = _engine(check.models["q8_0"], 1, 4608)
+    text = engine.tokenize("parkq parks a long generation for a short one and resumes it. ")
+    out: dict[str, Any] = {"device": engine.device}
+    for positions in (500, 4000):
+        ids = [text[i % len(text)] for i in range(positions)]
+        engine.clear(0)
+        logits = None
+        for start in range(0, positions, engine.n_batch):
+            logits = engine.eval(ids[start : start + engine.n_batch], start, 0)
+        assert logits is not None
+        token = int(np.argmax(logits))
+        saves, loads, identical = [], [], True
+        size = 0
+        for _ in range(5):
+            t0 = time.perf_counter()
+            data = bytes(engine.save_seq(0))
+            t1 = time.perf_counter()
+            engine.clear(0)
+            engine.load_seq(data, 0)
+            t2 = time.perf_counter()
+            saves.append(t1 - t0)
+            loads.append(t2 - t1)
+            size = len(data)
+        after = engine.eval([token], positions, 0)
+        engine.truncate(positions, 0)
+        engine.clear(0)
+        for start in range(0, positions, engine.n_batch):
+            engine.eval(ids[start : start + engine.n_batch], start, 0)
+        uninterrupted = engine.eval([token], positions, 0)
+        identical = bool(np.array_equal(after, uninterrupted))
+        out[str(positions)] = {
+            "bytes": size,
+            "save_ms": _ms(saves),
+            "load_ms": _ms(loads),
+            "next_logits_identical": identical,
+        }
+    engine.close()
+    return out
+
+
+def step(check: Check) -> dict[str, Any]:
+    """A decode call's time by batch size, and the sampler's time per token."""
+    from jobs.sampling import SamplingParams, sample
+
+    engine = _engine(check.models["q8_0"], check.limit, 512)
+    out: dict[str, Any] = {"device": engine.device, "n_vocab": engine.n_vocab}
+    decode: dict[str, float] = {}
+    for size in sorted({1, min(8, check.limit), check.limit}):
+        decode[str(size)] = round(1000 * engine._time_step(size, repeat=20), 3)
+    out["decode_call_ms"] = decode
+    engine.clear(-1)
+    logits = engine.eval([max(engine.bos, 0)], 0, 0)
+    arms = {"greedy": SamplingParams(temperature=0.0), "temperature_1": SamplingParams()}
+    sampling: dict[str, float] = {}
+    for name, params in arms.items():
+        times = []
+        for n in range(20):
+            t0 = time.perf_counter()
+            sample(logits, params, n)
+            times.append(time.perf_counter() - t0)
+        sampling[name] = _ms(times)
+    out["sample_ms_per_token"] = sampling
+    engine.close()
+    return out
+
+
+def _settings(check: Check, seqs: int, n_ctx: int = 1024) -> Any:
+    from scheduler.settings import load_settings
+
+    return load_settings(
+        model=check.models["q8_0"], port=0, log_level="WARNING", n_ctx=n_ctx, max_seqs=seqs,
+        extra_buffers="off", cache_dir=str(check.work / "cache"),
+        data_dir=str(check.work / "data"),
+    )  # fmt: skip
+
+
+def concurrency(check: Check) -> dict[str, Any]:
+    from jobs.engine import gpu_layers
+    from tools.bench.concurrency import SAMPLING, burst
+    from tools.bench.llama_server import running_llama_server
+    from tools.launcher import Stack
+
+    clients = [1, 2] if check.cpu else [1, 2, 4, 8, 16]
+    tokens = 16 if check.cpu else 64
+    rows: list[dict[str, Any]] = []
+    budget_end = time.monotonic() + check.left()
+    for seqs in (1, check.limit):
+        settings = _settings(check, seqs)
+        with Stack(settings) as stack:
+            burst(stack.base_url, 1, 4)  # warm
+            for arm in SAMPLING:
+                for n in clients if seqs > 1 else [1, clients[-1]]:
+                    if time.monotonic() > budget_end:
+                        break
+                    fields = SAMPLING[arm]["parkq"]
+                    rows.append({"system": "parkq", "max_seqs": seqs, "sampling": arm,
+                                 **burst(stack.base_url, n, tokens, fields)})  # fmt: skip
+                    print(rows[-1], flush=True)
+    if check.server:
+        settings = _settings(check, check.limit)
+        with running_llama_server(
+            check.server, model=settings.model, seqs=check.limit, n_ctx=settings.n_ctx,
+            threads=len(os.sched_getaffinity(0)), extra_buffers=False,
+            gpu_layers=gpu_layers(settings.n_gpu_layers),
+        ) as base:  # fmt: skip
+            burst(base, 1, 4, SAMPLING["greedy"]["llama-server"])
+            for arm in SAMPLING:
+                for n in clients:
+                    fields = SAMPLING[arm]["llama-server"]
+                    rows.append({"system": "llama-server", "max_seqs": check.limit,
+                                 "sampling": arm, **burst(base, n, tokens, fields)})  # fmt: skip
+                    print(rows[-1], flush=True)
+    return {"tokens": tokens, "rows": rows, "peer": check.server or "none (no llama-server)"}
+
+
+def mixed(check: Check) -> dict[str, Any]:
+    from tools.bench.modes import run_llama_server, run_parkq
+    from tools.bench.workload import Workload
+
+    seqs = 2 if check.cpu else 4
+    duration = 6.0 if check.cpu else 15.0
+    out: dict[str, Any] = {"max_seqs": seqs}
+    for arm, sampling in (("greedy", {"temperature": 0}), ("default", {})):
+        workload = Workload(duration=duration, short_rate=1.0, short_tokens=16 if check.cpu
+                            else 32, long_tokens=128 if check.cpu else 1024,
+                            sampling=sampling)  # fmt: skip
+        settings = _settings(check, seqs, n_ctx=2048)
+        parkq, _ = run_parkq(settings, workload)
+        out[f"parkq_{arm}"] = _mixed_row(parkq)
+        print("mixed", arm, out[f"parkq_{arm}"], flush=True)
+        if check.server:
+            peer_workload = Workload(**{**workload.to_json(), "sampling": _peer(sampling)})
+            peer, _ = run_llama_server(settings, peer_workload, check.server)
+            out[f"llama_server_{arm}"] = _mixed_row(peer)
+            print("mixed llama-server", arm, out[f"llama_server_{arm}"], flush=True)
+    return out
+
+
+def _peer(sampling: dict[str, Any]) -> dict[str, Any]:
+    """llama-server's fields for the same distribution as parkq's ``sampling``."""
+    if sampling.get("temperature") == 0:
+        return sampling
+    return {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+
+def _mixed_row(summary: dict[str, Any]) -> dict[str, Any]:
+    keep = ("short_ttft_ms", "short_requests", "short_unanswered", "long_tokens_per_s",
+            "aggregate_tokens_per_s", "preemptions", "park_ms", "resume_ms")  # fmt: skip
+    return {k: summary[k] for k in keep if k in summary}
+
+
+def exactness(check: Check) -> dict[str, Any]:
+    names = ["engine"] if check.cpu else ["engine", "batching", "parking", "quantized"]
+    tests = [f"tests/integration/test_{name}.py" for name in names]
+    # Another machine's packages may warn where this one's do not: a warning is no failure here.
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "120",
+           "-W", "ignore::DeprecationWarning", *tests]  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(check.left(), 10))
+        tail, rc = done.stdout.strip().splitlines()[-1:] or [""], done.returncode
+        failed = [ln for ln in done.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+    except subprocess.TimeoutExpired:
+        tail, rc, failed = ["(stopped at the check's time limit)"], None, []
+    return {"summary": tail[0], "returncode": rc, "failed": failed[:20],
+            "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+
+SECTIONS: dict[str, Callable[[Check], dict[str, Any]]] = {
+    "environment": environment,
+    "models": models,
+    "probe": probe,
+    "park": park,
+    "step": step,
+    "concurrency": concurrency,
+    "mixed": mixed,
+    "exactness": exactness,
+}
+
+
+def run(check: Check, only: list[str] | None = None) -> None:
+    total = check.left()
+    for name, section in SECTIONS.items():
+        if only and name not in only:
+            continue
+        need_model = name not in ("environment", "models", "exactness")
+        if need_model and not check.models:
+            check.results[name] = {"skipped": "no model"}
+            continue
+        left = check.left()
+        if left < 5:
+            check.results[name] = {"skipped": "out of time"}
+            continue
+        section_end = time.monotonic() + min(left, max(SHARES[name] * total, 20.0))
+        saved, check.deadline = check.deadline, section_end
+        t0 = time.monotonic()
+        print(f"gpu-check: {name} ({section_end - t0:.0f} s at most)", flush=True)
+        try:
+            check.results[name] = section(check)
+        except Exception as exc:  # a section's failure is a result; the next one runs
+            check.results[name] = {"error": f"{type(exc).__name__}: {exc}",
+                                   "trace": traceback.format_exc()[-2000:]}  # fmt: skip
+        check.results[name]["section_seconds"] = round(time.monotonic() - t0, 1)
+        check.deadline = saved
+        _write(check)
+
+
+def _write(check: Check) -> None:
+    check.out.mkdir(parents=True, exist_ok=True)
+    (check.out / "gpu-check.json").write_text(json.dumps(check.results, indent=2))
+    (check.out / "gpu-check.md").write_text(markdown(check.results))
+
+
+def _round(x: Any) -> Any:
+    return round(x, 1) if isinstance(x, float) else x
+
+
+def _cell(x: Any) -> str:
+    return "-" if x is None else str(x)
+
+
+def markdown(r: dict[str, Any]) -> str:
+    """The summary: a few tables a person reads first."""
+    lines = ["# parkq GPU check", ""]
+    env = r.get("environment", {})
+    lines += [f"- GPU: {env.get('gpu')}", f"- devices: {', '.join(env.get('devices', []))}",
+              f"- {env.get('llama_cpp')}", f"- parkq {env.get('parkq_commit')}, "
+              f"{env.get('cpus')} CPUs, Python {env.get('python')}", ""]  # fmt: skip
+    for name, section in r.items():
+        if isinstance(section, dict) and ("error" in section or "skipped" in section):
+            lines.append(f"- **{name}**: {section.get('error') or section.get('skipped')}")
+    probe_r = r.get("probe", {})
+    for quant, p in probe_r.items():
+        if not isinstance(p, dict) or "sizes" not in p:
+            continue
+        lines += ["", f"## Batch invariance, {quant} ({p['placement']})", "",
+                  "| size | " + " | ".join(p["sizes"]) + " |",
+                  "|---|" + "---|" * len(p["sizes"]),
+                  "| same logits as alone | " + " | ".join(
+                      "yes" if v == "identical" else f"no (pos {v['position']})"
+                      for v in p["sizes"].values()) + " |",
+                  "", f"The worker takes {p['worker_takes']} per call; splits "
+                  f"{p['worker_splits'] or '-'}."]  # fmt: skip
+    park_r = r.get("park", {})
+    if "500" in park_r:
+        lines += ["", "## Checkpoint copy of one sequence", "",
+                  "| positions | bytes | save ms | load ms | next logits identical |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for pos in ("500", "4000"):
+            p = park_r.get(pos)
+            if p:
+                lines.append(f"| {pos} | {p['bytes']} | {p['save_ms']} | {p['load_ms']} | "
+                             f"{p['next_logits_identical']} |")  # fmt: skip
+    st = r.get("step", {})
+    if "decode_call_ms" in st:
+        lines += ["", "## One step's parts", "",
+                  f"- decode call (ms) by sequences: {st['decode_call_ms']}",
+                  f"- sampling one token over {st['n_vocab']} logits (ms): "
+                  f"{st['sample_ms_per_token']}"]  # fmt: skip
+    conc = r.get("concurrency", {})
+    if conc.get("rows"):
+        lines += ["", f"## Simultaneous streams ({conc['tokens']} tokens each)", "",
+                  "| system | seqs | sampling | clients | TTFT p50 | TTFT p95 | ITL p95 | tok/s |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for row in conc["rows"]:
+            lines.append(
+                f"| {row['system']} | {row['max_seqs']} | {row['sampling']} | {row['clients']} | "
+                f"{row['ttft_ms_p50']} | {row['ttft_ms_p95']} | "
+                f"{_cell(row['inter_token_ms_p95'])} | {row['aggregate_tok_s']} |"
+            )
+    mix = r.get("mixed", {})
+    rows = {k: v for k, v in mix.items() if isinstance(v, dict)}
+    if rows:
+        lines += ["", f"## Mixed workload ({mix.get('max_seqs')} slots)", "",
+                  "| run | short TTFT p50 / p95 ms | long tok/s | preemptions |",
+                  "|---|---|---|---|"]  # fmt: skip
+        for name, row in rows.items():
+            t = row.get("short_ttft_ms") or {}
+            lines.append(f"| {name} | {_cell(_round(t.get('p50')))} / "
+                         f"{_cell(_round(t.get('p95')))} | "
+                         f"{_cell(_round(row.get('long_tokens_per_s')))} | "
+                         f"{_cell(row.get('preemptions'))} |")  # fmt: skip
+    ex = r.get("exactness", {})
+    if "summary" in ex:
+        lines += ["", f"## parkq's exactness tests on this build: {ex['summary']}"]
+        lines += [f"- {f}" for f in ex.get("failed", [])]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", required=True, help="folder for gpu-check.json and gpu-check.md")
+    ap.add_argument("--cpu", action="store_true", help="the dry run: small model, short runs")
+    ap.add_argument("--server", help="llama-server binary of the same build (the peer)")
+    ap.add_argument("--seconds", type=float, default=420.0, help="the whole check's time")
+    ap.add_argument("--only", help="comma-separated sections (default: all)")
+    ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
+    args = ap.parse_args()
+    import tempfile
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="parkq-gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    check = Check(out=Path(args.out), cpu=args.cpu, server=args.server,
+                  deadline=time.monotonic() + args.seconds, work=work)  # fmt: skip
+    run(check, args.only.split(",") if args.only else None)
+    _write(check)
+    print(markdown(check.results), flush=True)
+
+
+if __name__ == "__main__":
+    main()
