@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -112,6 +113,19 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
     sys.exit(code)
 
 
+#: What hides a GPU from the CUDA and ROCm runtimes (an empty list: none visible).
+GPU_VISIBILITY = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def hide_gpus() -> None:
+    """Make this process see no GPU. The web server only tokenizes, and it loads
+    the vocabulary (its startup check) before gunicorn forks its worker: a GPU
+    runtime initialized before a fork aborts the child at its first call (seen
+    on CUDA: every web worker died by SIGABRT as it booted)."""
+    for name in GPU_VISIBILITY:
+        os.environ[name] = ""
+
+
 @main.command()
 @_host_opt
 @_port_opt
@@ -120,6 +134,8 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
 def web(host: str | None, port: int | None, redis_url: str | None, model: str | None) -> None:
     """Run the web server alone (it needs Redis and, for tokenizing, the model file)."""
     from tools.serve import serve
+
+    hide_gpus()
 
     settings = resolve_model(load_settings(host=host, port=port, redis_url=redis_url, model=model))
     configure_logging(settings.log_level, settings.log_format)

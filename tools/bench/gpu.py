@@ -42,7 +42,8 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -73,6 +74,8 @@ class Check:
     deadline: float
     work: Path
     shape: str = "1b"
+    clients: list[int] | None = None
+    mixed_seconds: float | None = None
     results: dict[str, Any] = field(default_factory=dict)
     models: dict[str, str] = field(default_factory=dict)
 
@@ -256,15 +259,14 @@ def concurrency(check: Check) -> dict[str, Any]:
     from jobs.engine import gpu_layers
     from tools.bench.concurrency import SAMPLING, burst
     from tools.bench.llama_server import running_llama_server
-    from tools.launcher import Stack
 
-    clients = [1, 2] if check.cpu else [1, 2, 4, 8, 16]
+    clients = check.clients or ([1, 2] if check.cpu else [1, 2, 4, 8, 16])
     tokens = 16 if check.cpu else 64
     rows: list[dict[str, Any]] = []
     budget_end = time.monotonic() + check.left()
     for seqs in (1, check.limit):
         settings = _settings(check, seqs)
-        with Stack(settings) as stack:
+        with _stack(check, settings) as stack:
             burst(stack.base_url, 1, 4)  # warm
             for arm in SAMPLING:
                 for n in clients if seqs > 1 else [1, clients[-1]]:
@@ -291,12 +293,26 @@ def concurrency(check: Check) -> dict[str, Any]:
     return {"tokens": tokens, "rows": rows, "peer": check.server or "none (no llama-server)"}
 
 
+@contextmanager
+def _stack(check: Check, settings: Any) -> Iterator[Any]:
+    """`parkq up` that must be healthy within the section's time."""
+    from tools.launcher import Stack
+
+    stack = Stack(settings)
+    try:
+        stack.start()
+        stack.wait_healthy(timeout=max(10.0, min(check.left(), 180.0)))
+        yield stack
+    finally:
+        stack.stop()
+
+
 def mixed(check: Check) -> dict[str, Any]:
     from tools.bench.modes import run_llama_server, run_parkq
     from tools.bench.workload import Workload
 
     seqs = 2 if check.cpu else 4
-    duration = 6.0 if check.cpu else 15.0
+    duration = check.mixed_seconds or (6.0 if check.cpu else 15.0)
     out: dict[str, Any] = {"max_seqs": seqs}
     for arm, sampling in (("greedy", {"temperature": 0}), ("default", {})):
         workload = Workload(duration=duration, short_rate=1.0, short_tokens=16 if check.cpu
@@ -473,6 +489,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=420.0, help="the whole check's time")
     ap.add_argument("--only", help="comma-separated sections (default: all)")
     ap.add_argument("--shape", help="the models' shape (default: 1b; --cpu: small)")
+    ap.add_argument("--clients", help="concurrency: simultaneous streams (default 1,2,4,8,16)")
+    ap.add_argument("--mixed-seconds", type=float, help="mixed: the workload's length")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     args = ap.parse_args()
     import tempfile
@@ -481,7 +499,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     shape = args.shape or ("small" if args.cpu else "1b")
     check = Check(out=Path(args.out), cpu=args.cpu, server=args.server,
-                  deadline=time.monotonic() + args.seconds, work=work, shape=shape)  # fmt: skip
+                  deadline=time.monotonic() + args.seconds, work=work, shape=shape,
+                  clients=[int(c) for c in args.clients.split(",")] if args.clients else None,
+                  mixed_seconds=args.mixed_seconds)  # fmt: skip
     run(check, args.only.split(",") if args.only else None)
     _write(check)
     print(markdown(check.results), flush=True)
