@@ -127,3 +127,24 @@ def test_preemption_considers_only_workers_serving_the_jobs_model(
     web_b = Store(fake_redis, settings, _model("b", "b"))
     _enqueue(web_b, "urgent-b", 10, 500.0)
     assert web_b.maybe_preempt(500.0) == "wb"
+
+
+def test_a_job_that_moves_to_another_device_is_counted_and_named(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    cpu = ModelIdentity("m", "d" * 64, 2048, 600, "v" * 64, device="CPU")
+    gpu = ModelIdentity("m", "d" * 64, 2048, 600, "v" * 64, device="CUDA0 (NVIDIA H200)")
+    on_cpu, on_gpu = Store(fake_redis, settings, cpu), Store(fake_redis, settings, gpu)
+    _enqueue(on_cpu, "j", 0, 1.0)
+    claim = on_cpu.claim("w-cpu", 2.0)
+    assert claim is not None and claim.moved_from is None
+    assert on_cpu.park("j", claim.exec_token, "w-cpu", '{"generated": []}', 3.0) == "parked"
+    # Resumed on the same device: no move.
+    again = on_cpu.claim("w-cpu", 4.0)
+    assert again is not None and again.moved_from is None
+    assert on_cpu.park("j", again.exec_token, "w-cpu", '{"generated": []}', 5.0) == "parked"
+    moved = on_gpu.claim("w-gpu", 100.0)  # past the holder's affinity
+    assert moved is not None and moved.moved_from == "CPU"
+    rec = on_gpu.get("j")
+    assert rec is not None
+    assert rec["device"] == "CUDA0 (NVIDIA H200)" and rec["device_moves"] == "1"
