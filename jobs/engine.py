@@ -408,8 +408,9 @@ class LlamaEngine(Vocab):
         if self.layers_on_gpu == 0 or not gpus:
             return "CPU"
         where = " + ".join(d.describe() for d in gpus)
-        if self.layers_on_gpu < self.n_layer:
-            return f"{where}: {self.layers_on_gpu} of {self.n_layer} layers, the rest on CPU"
+        if 0 <= self.n_gpu_layers <= self.n_layer:  # the output layer stays on the CPU
+            return (f"{where}: {self.layers_on_gpu} of {self.n_layer} layers, the rest and "
+                    "the output layer on CPU")  # fmt: skip
         return where
 
     def placement(self) -> str:

@@ -118,7 +118,7 @@ GPU_VISIBILITY = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_D
 
 
 def hide_gpus() -> None:
-    """Make this process see no GPU. The web server only tokenizes, and it loads
+    """Make this process see no CUDA or ROCm GPU. The web server only tokenizes, and it loads
     the vocabulary (its startup check) before gunicorn forks its worker: a GPU
     runtime initialized before a fork aborts the child at its first call (seen
     on CUDA: every web worker died by SIGABRT as it booted)."""
