@@ -220,6 +220,43 @@ def _random_quantized(rng: np.random.Generator, rows: int, cols: int, quant: str
     return blocks.reshape(rows, (cols // 32) * size)
 
 
+def _writer(
+    path: Path,
+    name: str,
+    dims: Shape,
+    file_type: gguf.LlamaFileType,
+    vocab: tuple[list[bytes], list[float], list[int]],
+    chat_template: str,
+    rope_freq_base: float | None = None,
+) -> gguf.GGUFWriter:
+    """A GGUF writer with a llama model's metadata and SentencePiece vocabulary."""
+    tokens, scores, types = vocab
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(name)
+    w.add_context_length(dims.n_ctx_train)
+    w.add_embedding_length(dims.n_embd)
+    w.add_feed_forward_length(dims.n_ff)
+    w.add_block_count(dims.n_layer)
+    w.add_head_count(dims.n_head)
+    w.add_head_count_kv(dims.n_head_kv)
+    w.add_rope_dimension_count(dims.n_embd // dims.n_head)
+    if rope_freq_base is not None:
+        w.add_rope_freq_base(rope_freq_base)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(file_type)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(chat_template)
+    return w
+
+
 def write_shaped_model(path: str | Path, shape: str, quant: str = "q8_0", seed: int = 0) -> Path:
     """A random-weight model of a real shape (``SHAPES``), weights ``q8_0`` or
     ``q4_0``: for speed and exactness on real kernels, not for text."""
@@ -238,28 +275,9 @@ def write_shaped_model(path: str | Path, shape: str, quant: str = "q8_0", seed: 
     types += [gguf.TokenType.NORMAL] * filler
     qtype, file_type = QUANTS[quant]
     head_dim = dims.n_embd // dims.n_head
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(f"parkq-{shape}-{seed}-{quant}")
-    w.add_context_length(dims.n_ctx_train)
-    w.add_embedding_length(dims.n_embd)
-    w.add_feed_forward_length(dims.n_ff)
-    w.add_block_count(dims.n_layer)
-    w.add_head_count(dims.n_head)
-    w.add_head_count_kv(dims.n_head_kv)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(500_000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(file_type)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    vocab = (tokens, scores, types)
+    w = _writer(path, f"parkq-{shape}-{seed}-{quant}", dims, file_type, vocab, CHAT_TEMPLATE,
+                rope_freq_base=500_000.0)  # fmt: skip
 
     def matrix(name: str, rows: int, cols: int, std: float) -> None:
         data = _random_quantized(rng, rows, cols, quant, std)
@@ -314,27 +332,10 @@ def write_test_model(
     tokens, scores, types = _vocab(extra_words, control_tokens)
     n_vocab = len(tokens)
 
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(f"parkq-tiny-{seed}" + ("" if quant == "f32" else f"-{quant}"))
-    w.add_context_length(N_CTX_TRAIN)
-    w.add_embedding_length(N_EMBD)
-    w.add_feed_forward_length(N_FF)
-    w.add_block_count(N_LAYER)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_HEAD)
-    w.add_rope_dimension_count(N_EMBD // N_HEAD)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(file_type)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    w.add_chat_template(chat_template)
+    name = f"parkq-tiny-{seed}" + ("" if quant == "f32" else f"-{quant}")
+    dims = Shape(n_embd=N_EMBD, n_layer=N_LAYER, n_head=N_HEAD, n_head_kv=N_HEAD, n_ff=N_FF,
+                 n_vocab=n_vocab, n_ctx_train=N_CTX_TRAIN)  # fmt: skip
+    w = _writer(path, name, dims, file_type, (tokens, scores, types), chat_template)
 
     def rand(*shape: int, std: float = 0.2) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
