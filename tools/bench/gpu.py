@@ -308,33 +308,27 @@ def _stack(check: Check, settings: Any) -> Iterator[Any]:
 
 
 def mixed(check: Check) -> dict[str, Any]:
+    from tools.bench.concurrency import SAMPLING
     from tools.bench.modes import run_llama_server, run_parkq
     from tools.bench.workload import Workload
 
     seqs = 2 if check.cpu else 4
     duration = check.mixed_seconds or (6.0 if check.cpu else 15.0)
     out: dict[str, Any] = {"max_seqs": seqs}
-    for arm, sampling in (("greedy", {"temperature": 0}), ("default", {})):
+    for arm, fields in SAMPLING.items():
         workload = Workload(duration=duration, short_rate=1.0, short_tokens=16 if check.cpu
                             else 32, long_tokens=128 if check.cpu else 1024,
-                            sampling=sampling)  # fmt: skip
+                            sampling=fields["parkq"])  # fmt: skip
         settings = _settings(check, seqs, n_ctx=2048)
         parkq, _ = run_parkq(settings, workload)
         out[f"parkq_{arm}"] = _mixed_row(parkq)
         print("mixed", arm, out[f"parkq_{arm}"], flush=True)
         if check.server:
-            peer_workload = Workload(**{**workload.to_json(), "sampling": _peer(sampling)})
+            peer_workload = Workload(**{**workload.to_json(), "sampling": fields["llama-server"]})
             peer, _ = run_llama_server(settings, peer_workload, check.server)
             out[f"llama_server_{arm}"] = _mixed_row(peer)
             print("mixed llama-server", arm, out[f"llama_server_{arm}"], flush=True)
     return out
-
-
-def _peer(sampling: dict[str, Any]) -> dict[str, Any]:
-    """llama-server's fields for the same distribution as parkq's ``sampling``."""
-    if sampling.get("temperature") == 0:
-        return sampling
-    return {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 
 
 def _mixed_row(summary: dict[str, Any]) -> dict[str, Any]:
