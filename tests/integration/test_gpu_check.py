@@ -17,12 +17,14 @@ from scheduler.settings import load_settings
 ROOT = Path(__file__).parents[2]
 
 
+# The time limit is a cap, not a target: a slow or busy machine must not skip a section.
+@pytest.mark.timeout(900)
 def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "tools.bench.gpu", "--cpu", "--out", str(out),
-           "--seconds", "150", "--clients", "1,2", "--mixed-seconds", "4",
+           "--seconds", "600", "--clients", "1,2", "--mixed-seconds", "4",
            "--work", str(tmp_path / "work")]  # fmt: skip
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=850)
     assert done.returncode == 0, done.stderr[-2000:]
     r = json.loads((out / "gpu-check.json").read_text())
     for section in ("environment", "models", "probe", "park", "step", "concurrency", "mixed",
@@ -45,6 +47,7 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert "# parkq GPU check" in (out / "gpu-check.md").read_text()
 
 
+@pytest.mark.timeout(900)
 def test_the_trimmed_llama_cpp_source_configures(tmp_path: Path) -> None:
     kit = tmp_path / "kit"
     for action in (["source"], ["build", "--cpu"]):
