@@ -10,22 +10,30 @@ from typing import Any
 import pytest
 import requests
 
-from tests.integration.conftest import start_parkq, stop_parkq
-from tests.integration.helpers import read_events
+from tests.integration.helpers import read_events, wait_until
+from tests.integration.test_workers import running_cluster
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 KEY = "dashboard-test-key"
 
 
 @pytest.mark.timeout(240)
-def test_dashboard_chat_and_a_long_job_parked_and_resumed(tiny_model: Path, tmp_path: Path) -> None:
+def test_dashboard_chat_and_a_long_job_parked_and_resumed(
+    redis_server: Any, tiny_model: Path, tmp_path: Path
+) -> None:
     from playwright.sync_api import sync_playwright
 
-    env = {"PARKQ_API_KEYS": KEY, "PARKQ_N_BATCH": "16", "PARKQ_MIN_RUN_SECONDS": "0.05"}
-    proc, base = start_parkq(tiny_model, None, env=env)
+    # One sequence per engine (the chat parks the long job rather than joining
+    # it) whose decode steps take at least 10 ms: the long job outlasts the
+    # chat and the chat outlasts the dashboard's refresh on any machine.
+    worker_env = {"PARKQ_MAX_SEQS": "1", "PARKQ_TEST_DECODE_DELAY_SECONDS": "0.01"}
     auth = {"Authorization": f"Bearer {KEY}"}
     long_events: list[Any] = []
-    try:
+    web_env = {"PARKQ_API_KEYS": KEY}
+    with running_cluster(redis_server.url, tiny_model, tmp_path, "dashboard", (), web_env) as c:
+        c.start_worker("w", env=worker_env)
+        wait_until(lambda: c.workers_alive() == 1, timeout=60)
+        base = c.base_url
         with sync_playwright() as pw:
             browser = pw.chromium.launch(
                 executable_path=CHROMIUM,
@@ -41,7 +49,7 @@ def test_dashboard_chat_and_a_long_job_parked_and_resumed(tiny_model: Path, tmp_
             assert KEY not in page.url
 
             # A long batch job starts streaming (read in the background).
-            body = {"prompt": "the long job", "max_tokens": 3000, "ignore_eos": True,
+            body = {"prompt": "the long job", "max_tokens": 1000, "ignore_eos": True,
                     "priority": "batch", "temperature": 0}  # fmt: skip
             resp = requests.post(base + "/v1/completions", json={**body, "stream": True},
                                  headers=auth, stream=True, timeout=120)  # fmt: skip
@@ -55,7 +63,7 @@ def test_dashboard_chat_and_a_long_job_parked_and_resumed(tiny_model: Path, tmp_
             # A chat message from the box, interactive: the long job is parked meanwhile.
             page.fill("#message", "Hello from the dashboard")
             page.select_option("#priority", "interactive")
-            page.fill("#max-tokens", "1500")
+            page.fill("#max-tokens", "100")
             page.click("#send")
             page.wait_for_function(
                 f"document.querySelector('#queue').textContent.includes('{long_id}')"
@@ -82,5 +90,3 @@ def test_dashboard_chat_and_a_long_job_parked_and_resumed(tiny_model: Path, tmp_
         status = requests.get(f"{base}/v1/jobs/{long_id}", headers=auth, timeout=10).json()
         assert status["state"] == "finished" and status["preemptions"] >= 1
         assert (tmp_path / "dashboard-parked.png").stat().st_size > 10_000
-    finally:
-        assert stop_parkq(proc) == 0
