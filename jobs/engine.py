@@ -98,6 +98,8 @@ class Device:
     description: str
     kind: str  # "cpu", "gpu", "igpu", "accel"
     memory_bytes: int
+    #: Free when asked (what the backend reports; 0 when it does not say).
+    free_bytes: int = 0
 
     def describe(self) -> str:
         gib = f", {self.memory_bytes / 2**30:.0f} GiB" if self.kind != "cpu" else ""
@@ -134,6 +136,7 @@ def devices() -> list[Device]:
                 description=(lib.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
                 kind=_DEVICE_KINDS[kind] if 0 <= kind < len(_DEVICE_KINDS) else str(kind),
                 memory_bytes=int(total.value),
+                free_bytes=int(free.value),
             )
         )
     return out
@@ -541,6 +544,7 @@ class LlamaEngine(Vocab):
                 )
             )
         self._splits = [sorted(sizes, reverse=True) for _, sizes in best]
+        self._planned = [seconds for seconds, _ in best]
         self.max_batch = invariant
         self.clear(-1)
 
@@ -549,6 +553,14 @@ class LlamaEngine(Vocab):
         size = self.invariant_batch_size(limit)
         self.plan_batching(size)
         return size
+
+    def speedup(self, n: int) -> float:
+        """Tokens per second of ``n`` sequences stepping together over one alone,
+        by the timings :meth:`plan_batching` measured (1.0 before it ran)."""
+        planned = getattr(self, "_planned", None)
+        if not planned or n >= len(planned) or not planned[n]:
+            return 1.0
+        return float(n * planned[1] / planned[n])
 
     def splits_described(self) -> str:
         return ", ".join(

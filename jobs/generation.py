@@ -15,6 +15,7 @@ generation decodes it first when it resumes.
 from __future__ import annotations
 
 import base64
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ import numpy as np
 from jobs.chunks import ChunkWriter
 from jobs.constraints import Constraint
 from jobs.events import DONE
-from jobs.sampling import SamplingParams, TokenLogprob, logprobs_of, sample
+from jobs.sampling import SamplingParams, TokenLogprob, logprobs_of, sample, token_counts
 from jobs.textstream import StopMatcher, Utf8Decoder
 from jobs.toolcalls import ToolCall, ToolCallParser
 
@@ -125,6 +126,8 @@ class Generation:
 
     def __post_init__(self) -> None:
         self.stopper = StopMatcher(self.request.stop)
+        #: How often each token was generated (the penalties'; kept as tokens come).
+        self.counts: Counter[int] = token_counts(self.generated)
         self.constraint: Constraint | None = None
         if self.request.grammar is not None:
             if self.constrain is None:
@@ -169,6 +172,7 @@ class Generation:
     ) -> Generation:
         gen = cls(job_id, request, piece, is_eog, constrain)
         gen.generated = [int(t) for t in state["generated"]]
+        gen.counts = token_counts(gen.generated)
         if gen.constraint is not None:
             # The matcher is rebuilt, not saved: the same tokens give the same state.
             gen.constraint.feed(gen.generated)
@@ -214,7 +218,7 @@ class Generation:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def next_token(self, logits: np.ndarray) -> int:
-        logits = self.request.sampling.adjusted(logits, self.generated)
+        logits = self.request.sampling.adjusted(logits, self.counts)
         if self.constraint is not None:
             logits = self.constraint.masked(logits)
         return sample(logits, self.request.sampling, len(self.generated))
@@ -231,6 +235,7 @@ class Generation:
             self.finish_reason = "stop"
             return self._count(out + self._release(self._tail()))
         self.generated.append(token)
+        self.counts[token] += 1
         if self.constraint is not None:
             self.constraint.consume(token)
         if self.request.logprobs:

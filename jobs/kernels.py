@@ -199,10 +199,11 @@ def worker_kernels(settings: Settings) -> KernelChoice:
     without, and a lone sequence decodes as fast either way)."""
     choice = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir,
                             n_gpu_layers=settings.n_gpu_layers)  # fmt: skip
-    if choice.extra_buffers and settings.max_seqs > 1 and settings.extra_buffers == "auto":
+    seqs = settings.max_seqs or 2  # unset: several (jobs/capacity.py)
+    if choice.extra_buffers and seqs > 1 and settings.extra_buffers == "auto":
         return KernelChoice(
             False,
-            f"{settings.max_seqs} sequences per engine: repacked weights are not "
+            f"{seqs} sequences per engine: repacked weights are not "
             f"batch-invariant ({choice.reason})",
         )
     return choice

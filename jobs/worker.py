@@ -97,7 +97,7 @@ class Worker(Executions):
         # Generations at once, and the engine sequences beyond them that keep
         # parked jobs' KV in place.
         n_seqs = int(getattr(engine, "n_seq_max", 1))
-        n_slots = max(1, min(settings.max_seqs, n_seqs))
+        n_slots = max(1, min(settings.max_seqs or n_seqs, n_seqs))
         self.slots = [Slot(self.name if i == 0 else f"{self.name}/{i}", i) for i in range(n_slots)]
         self.kv = Sequences(
             engine, n_seqs, n_slots, settings.checkpoint_bytes, settings.prefix_cache_bytes

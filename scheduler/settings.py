@@ -61,22 +61,25 @@ class Settings(BaseSettings):
     )
     n_ctx: int = Field(4096, ge=0, description="Context size; 0 means the model's training size.")
     n_batch: int = Field(256, ge=1, description="Prefill chunk size in tokens.")
-    max_seqs: int = Field(
-        1,
+    max_seqs: int | None = Field(
+        None,
         ge=1,
         le=64,
         description="Sequences one worker generates at once (continuous batching): each "
         "step decodes one token of every running sequence in one engine call. Each "
-        "sequence has its own n_ctx positions of KV memory.",
+        "sequence has its own n_ctx positions of KV memory. Unset: 8 on a CPU, 16 on a "
+        "GPU, fewer if their KV would take more than half the free memory (`parkq up` and "
+        "the worker say what they chose and why); 1 generates one job at a time.",
     )
-    parked_seqs: int = Field(
-        1,
+    parked_seqs: int | None = Field(
+        None,
         ge=0,
         le=64,
         description="Engine sequences beyond PARKQ_MAX_SEQS that keep parked jobs' KV in "
         "place: a park copies nothing while one is free (the oldest is copied to the "
         "checkpoint store when a new park needs its sequence). Each costs n_ctx positions of "
-        "KV memory; 0 copies every park out.",
+        "KV memory; 0 copies every park out. Unset: 1 on a CPU, 4 on a GPU (a copy out of "
+        "VRAM takes tens of ms), fewer if memory is short.",
     )
     interactive_pace: float = Field(
         1.3,

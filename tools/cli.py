@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from scheduler.settings import cache_root, data_root, load_settings
+from scheduler.settings import Settings, cache_root, data_root, load_settings
 from tools.checks import preflight, redact, resolve_model, warn_if_open
 from tools.logs import configure_logging
 
@@ -83,6 +83,7 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
     if ephemeral and data_dir:
         raise click.UsageError("--ephemeral keeps nothing: leave out --data-dir")
     warn_if_open(settings)
+    settings = with_sequences(settings, workers)
     keep = None if ephemeral or settings.redis_url else data_root(settings.data_dir)
     stack = Stack(settings, workers=workers, data_dir=keep)
 
@@ -111,6 +112,20 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stack.stop()
     sys.exit(code)
+
+
+def with_sequences(settings: Settings, workers: int) -> Settings:
+    """``settings`` with the sequences per worker decided (jobs/capacity.py), said
+    in one line: how many, and why."""
+    from jobs.capacity import sequence_plan
+
+    plan = sequence_plan(settings, workers)
+    parked = f", {plan.parked_seqs} more keep parked jobs in place" if plan.parked_seqs else ""
+    click.echo(
+        f"parkq: {plan.max_seqs} sequence{'s' if plan.max_seqs != 1 else ''} per worker "
+        f"generate at once{parked} ({plan.reason})"
+    )
+    return settings.model_copy(update={"max_seqs": plan.max_seqs, "parked_seqs": plan.parked_seqs})
 
 
 #: What hides a GPU from the CUDA and ROCm runtimes (an empty list: none visible).
@@ -202,7 +217,14 @@ def demo(model: str | None, prompt: str, max_tokens: int | None, question: str) 
     configure_logging(settings.log_level, settings.log_format)
     preflight(settings)
     logs = cache_root(settings.cache_dir) / "demo-logs" / time.strftime("%Y%m%d-%H%M%S")
-    click.echo("parkq: starting (embedded Redis, web server, one worker)...")
+    seqs = "one worker"
+    if settings.max_seqs is None:
+        # One sequence: the question must park the long job, which is what the
+        # demo shows. `parkq up` batches several by default (jobs/capacity.py),
+        # and a full engine parks the same way.
+        settings = settings.model_copy(update={"max_seqs": 1})
+        seqs = "one worker of one sequence, so that the question must park the long job"
+    click.echo(f"parkq: starting (embedded Redis, web server, {seqs})...")
     t0 = time.monotonic()
     stack = Stack(settings, log_dir=logs)
     failure: list[BaseException] = []
@@ -258,15 +280,19 @@ def demo(model: str | None, prompt: str, max_tokens: int | None, question: str) 
     "PARKQ_MAX_SEQS [the one `python -m tools.bench.llama_server build` cached, if any; "
     "'none' skips it].",
 )
+@click.option("--sampling", default="greedy,default", show_default=True,
+              help="Sampling arms, each a full run of every mode: greedy, and default "
+                   "(what the openai client sends unasked: temperature 1, top_p 1).")  # fmt: skip
 def bench(model: str | None, quick: bool, duration: float | None, rate: float | None,
           short_tokens: int | None, long_tokens: int | None, long_prompt_words: int,
-          seed: int, out: Path, peer_server: str | None) -> None:  # fmt: skip
+          seed: int, out: Path, peer_server: str | None, sampling: str) -> None:  # fmt: skip
     """Benchmark parkq against --no-preempt, llama_cpp.server, llama-server and an idle
-    engine."""
+    engine, greedy and with the openai client's default sampling."""
     import tempfile
 
     from jobs.engine import Vocab
     from jobs.testmodel import write_test_model
+    from tools.bench.concurrency import SAMPLING
     from tools.bench.report import run_bench
     from tools.bench.workload import Workload
 
@@ -274,6 +300,7 @@ def bench(model: str | None, quick: bool, duration: float | None, rate: float | 
         model = str(write_test_model(Path(tempfile.mkdtemp()) / "tiny.gguf"))
     settings = resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
     configure_logging(settings.log_level, settings.log_format)
+    settings = with_sequences(settings, 1)
     workload = Workload(
         duration=duration or (6.0 if quick else 60.0),
         short_rate=rate or (2.0 if quick else 0.5),
@@ -291,7 +318,10 @@ def bench(model: str | None, quick: bool, duration: float | None, rate: float | 
         peer_server = str(cached) if cached.exists() else None
     elif peer_server == "none":
         peer_server = None
-    run_bench(settings, workload, eos, out, click.echo, peer_server)
+    arms = tuple(a for a in sampling.split(",") if a)
+    if unknown := [a for a in arms if a not in SAMPLING]:
+        raise click.UsageError(f"--sampling takes {', '.join(SAMPLING)}, not {', '.join(unknown)}")
+    run_bench(settings, workload, eos, out, click.echo, peer_server, arms)
 
 
 @main.command("batch")

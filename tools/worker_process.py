@@ -12,6 +12,7 @@ from typing import Any
 import click
 import redis
 
+from jobs.capacity import sequence_plan
 from jobs.engine import LlamaEngine, build_info
 from jobs.identity import identify
 from jobs.kernels import invariant_batch_size, worker_kernels
@@ -28,6 +29,21 @@ def run_worker(settings: Settings) -> None:
     """Serve jobs until SIGTERM or SIGINT (the first parks the running jobs and
     signs off; a second exits at once)."""
     faulthandler.enable()  # a crash inside llama.cpp leaves the Python stack in the log
+    if settings.max_seqs is None or settings.parked_seqs is None:
+        try:
+            plan = sequence_plan(settings)
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise click.ClickException(f"cannot load the model {settings.model}: {exc}") from None
+        settings = settings.model_copy(
+            update={"max_seqs": plan.max_seqs, "parked_seqs": plan.parked_seqs}
+        )
+        log.info(
+            "%d sequences, %d parked in place: %s",
+            plan.max_seqs,
+            plan.parked_seqs,
+            plan.reason,
+        )
+    assert settings.max_seqs is not None and settings.parked_seqs is not None
     kernels = worker_kernels(settings)
     log.info(
         "llama.cpp extra buffer types %s: %s",
@@ -54,11 +70,14 @@ def run_worker(settings: Settings) -> None:
         engine.plan_batching(size)
         log.info(
             "%d sequences; one decode call takes up to %d of them (the most for which "
-            "these kernels give each sequence its logits alone; %s), split as timed: %s",
+            "these kernels give each sequence its logits alone; %s), split as timed: %s; "
+            "%d stepping together make %.1fx the tokens per second of one",
             settings.max_seqs,
             size,
             how,
             engine.splits_described(),
+            settings.max_seqs,
+            engine.speedup(settings.max_seqs),
         )
     identity = identify(
         model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir,

@@ -30,6 +30,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 #: Settings of the test deployments: short timers so that tests stay quick.
 TEST_ENV = {
     "PARKQ_N_CTX": "4096",
+    # One sequence per worker: these deployments test parking on a full engine
+    # (tests that batch set their own; test_cli runs the defaults).
+    "PARKQ_MAX_SEQS": "1",
     "PARKQ_N_BATCH": "16",
     "PARKQ_MIN_RUN_SECONDS": "0.05",
     "PARKQ_PREEMPT_MARGIN": "0.2",
@@ -52,8 +55,13 @@ class Server:
 
 
 def start_parkq(
-    model: Path, redis_url: str | None, *extra: str, env: dict[str, str] | None = None
+    model: Path,
+    redis_url: str | None,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    said: list[str] | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
+    """`parkq up`; the lines it printed before it was up go to ``said``."""
     port = free_port()
     argv = [sys.executable, "-m", "tools.cli", "up", "--model", str(model), "--port", str(port)]
     if redis_url:
@@ -71,6 +79,8 @@ def start_parkq(
             line = proc.stdout.readline()
             if not line:
                 break
+            if said is not None:
+                said.append(line)
             if line.startswith("parkq is up at "):
                 base = line.split()[4]
                 assert base == f"http://127.0.0.1:{port}"

@@ -33,7 +33,7 @@ from tests.integration.helpers import (
     submit_stream,
     wait_until,
 )
-from tests.integration.test_parking import _long, _metrics
+from tests.integration.test_parking import SAMPLING, _long, _metrics
 from tests.integration.test_workers import Cluster, running_cluster
 
 N_BATCH = 16
@@ -187,10 +187,14 @@ def _concurrent(
 
 
 def _bodies() -> list[dict[str, Any]]:
+    """Six jobs, each sampling its own way (greedy, a temperature, the API's
+    defaults with every knob; twice over)."""
+    modes = list(SAMPLING.values())
     return [
-        _long(0.0 if i % 2 else 0.8, max_tokens=600, prompt=f"Sequence {i} of the batch", seed=i)
+        _long(**{**modes[i % len(modes)], "max_tokens": 600,
+                 "prompt": f"Sequence {i} of the batch", "seed": i})
         for i in range(6)
-    ]
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

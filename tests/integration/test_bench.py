@@ -12,7 +12,7 @@ import pytest
 from tools.bench.report import MODES, OPTIONAL_MODES
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_quick_bench_writes_a_complete_report(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     run = subprocess.run(
@@ -29,27 +29,35 @@ def test_quick_bench_writes_a_complete_report(tmp_path: Path) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=580,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((out / "bench.json").read_text())
-    for mode in MODES:
-        assert (mode in report) == (mode not in OPTIONAL_MODES), mode
-    for mode in ("parkq", "parkq_no_preempt", "peer", "idle"):
-        ttft = report[mode]["short_ttft_ms"]
-        assert ttft["n"] > 0 and ttft["p50"] is not None, mode
-    for mode in ("parkq", "parkq_no_preempt", "parkq_no_shorts", "peer"):
-        assert report[mode]["aggregate_tokens_per_s"] > 0, mode
-        assert report["timelines"][mode]["long_tokens"], mode
     assert report["bare_loop_tokens_per_s"] > 0
-    assert set(report["ratios"]) >= {
-        "ttft_busy_over_idle_p50",
-        "ttft_no_preempt_over_preempt_p50",
-        "throughput_preempt_over_no_preempt",
-        "throughput_parkq_over_peer",
-        "long_rate_over_bare_loop",
-    }
-    assert all(v is not None for v in report["ratios"].values())
-    png = (out / "bench.png").read_bytes()
-    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    # Greedy, and what the openai client sends when told nothing.
+    assert set(report["arms"]) == {"greedy", "default"}
+    for arm, r in report["arms"].items():
+        assert r["sampling"] == arm
+        sent = r["workload"]["sampling"]
+        assert sent == ({"temperature": 0} if arm == "greedy" else {}), sent
+        for mode in MODES:
+            assert (mode in r) == (mode not in OPTIONAL_MODES), (arm, mode)
+        for mode in ("parkq", "parkq_no_preempt", "peer", "idle"):
+            ttft = r[mode]["short_ttft_ms"]
+            assert ttft["n"] > 0 and ttft["p50"] is not None, (arm, mode)
+        for mode in ("parkq", "parkq_no_preempt", "parkq_no_shorts", "peer"):
+            assert r[mode]["aggregate_tokens_per_s"] > 0, (arm, mode)
+            assert r[mode]["short_unanswered"] == 0, (arm, mode)
+            assert report["timelines"][arm][mode]["long_tokens"], (arm, mode)
+        assert set(r["ratios"]) >= {
+            "ttft_busy_over_idle_p50",
+            "ttft_no_preempt_over_preempt_p50",
+            "throughput_preempt_over_no_preempt",
+            "throughput_parkq_over_peer",
+            "long_rate_over_bare_loop",
+        }
+        assert all(v is not None for v in r["ratios"].values()), arm
+        png = (out / f"bench-{arm}.png").read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 10_000
     assert "ttft_no_preempt_over_preempt_p50" in run.stdout
+    assert "sampling default" in run.stdout

@@ -22,8 +22,9 @@ from tests.integration.helpers import (
 )
 
 
-def _long(temperature: float, **kw) -> dict[str, Any]:
-    return {
+def _long(temperature: float | None, **kw) -> dict[str, Any]:
+    """A long batch job; ``temperature`` None sends none (the API's default, 1)."""
+    body = {
         "prompt": kw.pop("prompt", "The long batch job begins"),
         "max_tokens": kw.pop("max_tokens", 2500),
         "temperature": temperature,
@@ -33,6 +34,20 @@ def _long(temperature: float, **kw) -> dict[str, Any]:
         "priority": "batch",
         **kw,
     }
+    return {k: v for k, v in body.items() if v is not None}
+
+
+#: Every sampling mode a request can ask for, each through a park and back:
+#: greedy, a temperature, and the openai client's defaults (no temperature)
+#: with every knob that narrows or bends the distribution.
+SAMPLING: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0.0},
+    "temperature": {"temperature": 0.8},
+    "defaults and every knob": {
+        "temperature": None, "top_p": 0.9, "top_k": 50, "min_p": 0.02,
+        "presence_penalty": 0.3, "frequency_penalty": 0.2, "logit_bias": {"7": 1.5},
+    },
+}  # fmt: skip
 
 
 SHORT: dict[str, Any] = {"prompt": "Quick question", "max_tokens": 4, "priority": "interactive"}
@@ -67,10 +82,10 @@ def _interrupt(server: Server, job_id: str, times: int) -> list[float]:
     return ttfts
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("sampling", SAMPLING)
 @pytest.mark.parametrize("parks", [1, 3, 10])
-def test_parked_job_is_token_identical(server: Server, parks: int, temperature: float) -> None:
-    body = _long(temperature)
+def test_parked_job_is_token_identical(server: Server, parks: int, sampling: str) -> None:
+    body = _long(**SAMPLING[sampling])
     reference = _reference(server, body)
     resp = submit_stream(server.base_url, body)
     job_id = resp.headers["X-Job-Id"]

@@ -136,7 +136,8 @@ def run_llama_server(
 
     extra = worker_kernels(settings)
     threads = settings.n_threads or len(os.sched_getaffinity(0))
-    with running_llama_server(binary, model=settings.model or "", seqs=max(2, settings.max_seqs),
+    seqs = max(2, settings.max_seqs or 1)
+    with running_llama_server(binary, model=settings.model or "", seqs=seqs,
                               n_ctx=settings.n_ctx, threads=threads,
                               extra_buffers=extra.extra_buffers,
                               gpu_layers=gpu_layers(settings.n_gpu_layers)) as base:  # fmt: skip
@@ -150,7 +151,9 @@ def idle_ttft(settings: Settings, workload: Workload, samples: int) -> dict[str,
     with Stack(settings) as stack:
         _warm(stack.base_url)
         ttfts = []
-        body = {**SHORT_BODY, "max_tokens": workload.short_tokens, "ignore_eos": True}
+        short = {k: v for k, v in SHORT_BODY.items() if k != "temperature"}
+        body = {**short, "max_tokens": workload.short_tokens, "ignore_eos": True,
+                **workload.sampling_fields}  # fmt: skip
         for _ in range(samples):
             req = Request("short", time.monotonic())
             stream(f"{stack.base_url}/v1/completions", body, req)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from scheduler.settings import Settings
 from tools.bench import modes
+from tools.bench.concurrency import SAMPLING
 from tools.bench.workload import Workload
 
 __all__ = ["MODES", "OPTIONAL_MODES", "run_bench"]
@@ -65,55 +67,77 @@ def run_bench(
     out: Path,
     say: Callable[[str], None],
     peer_server: str | None = None,
+    arms: tuple[str, ...] = tuple(SAMPLING),
 ) -> dict[str, Any]:
-    """Every mode in turn; ``peer_server`` (a ``llama-server`` binary) adds llama.cpp's
-    own server as the ``llama_server`` mode."""
-    results: dict[str, Any] = {
-        "workload": workload.to_json(),
-        "model": Path(settings.model or "").name,
-    }
+    """Every mode in turn, once per sampling arm (greedy, and the openai client's
+    defaults: see tools/bench/concurrency.py ``SAMPLING``); ``peer_server`` (a
+    ``llama-server`` binary) adds llama.cpp's own server as the ``llama_server``
+    mode. The JSON holds ``arms``: each arm's modes, ratios and workload."""
+    report: dict[str, Any] = {"model": Path(settings.model or "").name, "arms": {},
+                              "timelines": {}}  # fmt: skip
+    say("bench: bare llama-cpp-python loop ...")
+    report["bare_loop_tokens_per_s"] = modes.bare_decode_rate(
+        settings, min(workload.long_tokens, 512)
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    for arm in arms:
+        fields = SAMPLING[arm]
+        ours = replace(workload, sampling=fields["parkq"])
+        theirs = replace(workload, sampling=fields["llama-server"])
+        results, timelines = _run_arm(settings, ours, theirs, eos, say, peer_server, arm)
+        results["bare_loop_tokens_per_s"] = report["bare_loop_tokens_per_s"]
+        results["ratios"] = ratios(results)
+        report["arms"][arm] = results
+        report["timelines"][arm] = timelines
+        _figure(results, timelines, out / f"bench-{arm}.png")
+        for line in _table(results, arm):
+            say(line)
+    (out / "bench.json").write_text(json.dumps(report, indent=1))
+    say(f"bench: wrote {out / 'bench.json'} and the figures bench-<arm>.png")
+    return report
+
+
+def _run_arm(
+    settings: Settings,
+    ours: Workload,
+    theirs: Workload,
+    eos: list[int],
+    say: Callable[[str], None],
+    peer_server: str | None,
+    arm: str,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One sampling arm: parkq gets ``ours``, the other servers ``theirs`` (the
+    same distribution asked for in their terms)."""
+    results: dict[str, Any] = {"workload": ours.to_json(), "sampling": arm}
     timelines: dict[str, Any] = {}
     no_preempt = settings.model_copy(update={"preempt": False})
-    longs_only = Workload(**{**workload.to_json(), "shorts": False})
+    longs_only = replace(ours, shorts=False)
     plan: list[tuple[str, Callable[[], Any]]] = [
-        ("parkq", lambda: modes.run_parkq(settings, workload)),
-        ("parkq_no_preempt", lambda: modes.run_parkq(no_preempt, workload)),
+        ("parkq", lambda: modes.run_parkq(settings, ours)),
+        ("parkq_no_preempt", lambda: modes.run_parkq(no_preempt, ours)),
         ("parkq_no_shorts", lambda: modes.run_parkq(settings, longs_only)),
-        ("peer", lambda: modes.run_peer(settings, workload, eos)),
+        ("peer", lambda: modes.run_peer(settings, theirs, eos)),
     ]
     if peer_server:
         peer = peer_server
-        plan.append(("llama_server", lambda: modes.run_llama_server(settings, workload, peer)))
+        plan.append(("llama_server", lambda: modes.run_llama_server(settings, theirs, peer)))
     for name, run in plan:
         t0 = time.monotonic()
-        say(f"bench: {name} ...")
+        say(f"bench [{arm}]: {name} ...")
         results[name], timelines[name] = run()
-        say(f"bench: {name} done in {time.monotonic() - t0:.0f} s")
-    say("bench: idle ...")
-    results["idle"] = modes.idle_ttft(
-        settings, workload, samples=max(5, min(20, len(workload.arrivals())))
-    )
-    say("bench: bare llama-cpp-python loop ...")
-    results["bare_loop_tokens_per_s"] = modes.bare_decode_rate(
-        settings, min(workload.long_tokens, 512)
-    )
-    results["ratios"] = ratios(results)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps({**results, "timelines": timelines}, indent=1))
-    _figure(results, timelines, out / "bench.png")
-    for line in _table(results):
-        say(line)
-    say(f"bench: wrote {out / 'bench.json'} and {out / 'bench.png'}")
-    return results
+        say(f"bench [{arm}]: {name} done in {time.monotonic() - t0:.0f} s")
+    say(f"bench [{arm}]: idle ...")
+    results["idle"] = modes.idle_ttft(settings, ours, samples=max(5, min(20, len(ours.arrivals()))))
+    return results, timelines
 
 
 def _fmt(x: float | None, unit: str = "") -> str:
     return "-" if x is None else f"{x:.1f}{unit}" if x >= 10 else f"{x:.2f}{unit}"
 
 
-def _table(r: dict[str, Any]) -> list[str]:
+def _table(r: dict[str, Any], arm: str) -> list[str]:
     lines = [
-        f"model {r['model']}, {r['workload']['duration']:.0f} s per mode",
+        f"sampling {arm}: {r['workload']['duration']:.0f} s per mode",
         f"{'mode':<18} {'TTFT p50':>10} {'p95':>9} {'p99':>9} {'long tok/s':>11} "
         f"{'all tok/s':>10} {'preempt':>8} {'park p50/p95 ms':>16} "
         f"{'resume p50/p95 ms':>18} {'ckpt MB':>8}",
