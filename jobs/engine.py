@@ -355,7 +355,11 @@ class LlamaEngine(Vocab):
         chat_format: str | None = None,
         extra_buffers: bool = True,
         n_gpu_layers: int | None = None,
+        exact: bool = True,
     ) -> None:
+        #: Kernels that give a sequence the same logits alone and beside others
+        #: (False: llama.cpp's fastest, flash attention included).
+        self.exact = exact
         #: The n_gpu_layers llama.cpp was given (-1: all) (see :func:`gpu_layers`).
         self.n_gpu_layers = gpu_layers(n_gpu_layers)
         super().__init__(path, chat_format, vocab_only=False, extra_buffers=extra_buffers,
@@ -375,7 +379,8 @@ class LlamaEngine(Vocab):
         # unsplit path a batch of sequences takes (and otherwise for each thread
         # count). The plain attention gives a sequence the same logits alone,
         # beside others and on any number of threads (tests/integration/test_batching.py).
-        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        fa = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED, llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+        params.flash_attn_type = fa[0] if exact else fa[1]  # PARKQ_EXACT off: the fastest
         # llama.cpp's default (4 threads) oversubscribes small machines: use the cores.
         threads = n_threads or len(os.sched_getaffinity(0))
         params.n_threads = threads

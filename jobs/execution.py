@@ -30,6 +30,7 @@ from jobs.generation import Generation, GenerationRequest
 from jobs.rqjobs import RQBridge
 from jobs.runner import CANCEL, PREEMPT, Eval, Outcome, Source, Start, generate
 from jobs.sequences import Sequences
+from jobs.stepclock import CLOCK
 from jobs.store import (
     CANCEL_EVENTS,
     Claim,
@@ -377,12 +378,14 @@ class Executions:
         if write is None:
             return 0
         c, tokens = job.claim, len(job.gen.generated)
+        t0 = time.perf_counter()
         step = self._retrying(
             lambda: self.store.step(
                 c.job_id, c.exec_token, job.slot, tokens, write.first, write.payloads,
                 write.latency_ms,
             )
         )  # fmt: skip
+        CLOCK.add("redis", time.perf_counter() - t0)
         return self._control(job, step)
 
     def _observe(self, histogram: str, value_ms: float) -> None:

@@ -15,6 +15,7 @@ generation decodes it first when it resumes.
 from __future__ import annotations
 
 import base64
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from jobs.chunks import ChunkWriter
 from jobs.constraints import Constraint
 from jobs.events import DONE
 from jobs.sampling import SamplingParams, TokenLogprob, logprobs_of, sample, token_counts
+from jobs.stepclock import CLOCK
 from jobs.textstream import StopMatcher, Utf8Decoder
 from jobs.toolcalls import ToolCall, ToolCallParser
 
@@ -218,10 +220,13 @@ class Generation:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def next_token(self, logits: np.ndarray) -> int:
+        t0 = time.perf_counter()
         logits = self.request.sampling.adjusted(logits, self.counts)
         if self.constraint is not None:
             logits = self.constraint.masked(logits)
-        return sample(logits, self.request.sampling, len(self.generated))
+        token = sample(logits, self.request.sampling, len(self.generated))
+        CLOCK.add("sampling", time.perf_counter() - t0)
+        return token
 
     def accept(self, token: int, logits: np.ndarray) -> list[str]:
         """Take one sampled token; return the payloads it makes ready."""

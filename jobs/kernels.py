@@ -191,7 +191,7 @@ def invariant_batch_size(engine: LlamaEngine, limit: int, cache_dir: str | None)
 def worker_kernels(settings: Settings) -> KernelChoice:
     """The kernel path a worker with ``settings`` takes (and so the bench's peers).
 
-    With several sequences per engine, ``auto`` takes the plain kernels even
+    With several sequences per engine and PARKQ_EXACT on, ``auto`` takes the plain kernels even
     where repacked weights work: the repacked matrix products switch to another
     kernel (another summation order) from 4 rows on, so a sequence decoded
     beside 3 others gets other logits than alone (measured on an AVX-512 CPU,
@@ -200,7 +200,7 @@ def worker_kernels(settings: Settings) -> KernelChoice:
     choice = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir,
                             n_gpu_layers=settings.n_gpu_layers)  # fmt: skip
     seqs = settings.max_seqs or 2  # unset: several (jobs/capacity.py)
-    if choice.extra_buffers and seqs > 1 and settings.extra_buffers == "auto":
+    if choice.extra_buffers and seqs > 1 and settings.extra_buffers == "auto" and settings.exact:
         return KernelChoice(
             False,
             f"{seqs} sequences per engine: repacked weights are not "

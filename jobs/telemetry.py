@@ -52,6 +52,14 @@ class Telemetry:
     def count(self, counter: str, n: int = 1) -> None:
         self.r.hincrby(self.keys.counters, counter, n)
 
+    def add_step_seconds(self, spent: dict[str, float]) -> None:
+        """Add a worker's stepping seconds by part (jobs/stepclock.py)."""
+        with self.r.pipeline(transaction=False) as p:
+            for part, seconds in spent.items():
+                if seconds:
+                    p.hincrbyfloat(self.keys.counters, f"step_seconds:{part}", seconds)
+            p.execute()
+
     def observe(self, histogram: str, value_ms: float) -> None:
         """Add one observation to a histogram (the same Lua as a step's)."""
         key = self.keys.histogram(histogram)

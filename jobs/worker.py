@@ -34,6 +34,7 @@ from jobs.execution import NOTHING, WAIT, Executions, Running, Slot
 from jobs.identity import ModelIdentity
 from jobs.rqjobs import RQBridge
 from jobs.sequences import Sequences
+from jobs.stepclock import CLOCK
 from jobs.store import (
     Claim,
     ReapOutcome,
@@ -148,12 +149,16 @@ class Worker(Executions):
         try:
             while not self.stopping.is_set() or self._running:
                 try:
+                    busy = time.perf_counter() if self._running else None
                     self.beat(force=False)
                     self._reap_disconnected(time.time())
                     if not self.stopping.is_set():
                         self._admit()
                     if self._running:
+                        busy = busy or time.perf_counter()
                         self._step()
+                    if busy is not None:
+                        CLOCK.busy += time.perf_counter() - busy
                     elif not self.stopping.is_set():
                         self.store.wait_for_work(
                             timeout=min(CONN_CHECK_SECONDS, self.settings.heartbeat_seconds)
@@ -272,7 +277,9 @@ class Worker(Executions):
             results: list[np.ndarray | EngineError] = list(call())
         except EngineError as exc:
             results = [exc] * len(runs)
-        ms = (time.perf_counter() - t0) * 1000
+        seconds = time.perf_counter() - t0
+        CLOCK.add("engine", seconds)
+        ms = seconds * 1000
         for r, result in zip(runs, results, strict=True):
             r.waited = 0
             self._deliver(r, result)
@@ -330,6 +337,7 @@ class Worker(Executions):
             self._reap(now)
 
     def _beat(self, now: float) -> None:
+        t0 = time.perf_counter()
         # Reap before the heartbeat: a beat must never refresh a dead worker of
         # the same name before its jobs are requeued.
         self._reap(now)
@@ -348,6 +356,10 @@ class Worker(Executions):
                 elif state == JobState.RUNNING and job_id in self.kv.in_place:
                     self.kv.drop(job_id)  # resumed elsewhere: this copy is stale
                     log.info("job %s: resumed elsewhere; in-place checkpoint freed", job_id)
+        CLOCK.add("redis", time.perf_counter() - t0)
+        spent = CLOCK.take()
+        if any(spent.values()):
+            self._metric(lambda: self.telemetry.add_step_seconds(spent))
 
     def _reap(self, now: float, previous_life: bool = False) -> None:
         """Requeue (or fail) the jobs of workers whose liveness expired; this worker's

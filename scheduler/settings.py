@@ -81,6 +81,15 @@ class Settings(BaseSettings):
         "KV memory; 0 copies every park out. Unset: 1 on a CPU, 4 on a GPU (a copy out of "
         "VRAM takes tens of ms), fewer if memory is short.",
     )
+    exact: bool = Field(
+        True,
+        description="Every sequence gets, bit for bit, the tokens it would get alone: "
+        "batched only as wide as these kernels allow (probed), no flash attention, no "
+        "repacked weights beside other sequences. Off: the fastest kernels llama.cpp has "
+        "here (repacked weights, flash attention, any batch width); priorities, parks and "
+        "resumes all still work, but a run is no longer identical to one alone (what "
+        "other servers give).",
+    )
     interactive_pace: float = Field(
         1.3,
         ge=1.0,

@@ -60,13 +60,17 @@ def run_worker(settings: Settings) -> None:
             chat_format=settings.chat_format,
             extra_buffers=kernels.extra_buffers,
             n_gpu_layers=settings.n_gpu_layers,
+            exact=settings.exact,
         )
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(f"cannot load the model {settings.model}: {exc}") from None
     log.info("llama.cpp: %s", build_info())
     log.info("model %s: %s", settings.model, engine.placement())
     if settings.max_seqs > 1:
-        size, how = invariant_batch_size(engine, settings.max_seqs, settings.cache_dir)
+        if settings.exact:
+            size, how = invariant_batch_size(engine, settings.max_seqs, settings.cache_dir)
+        else:
+            size, how = settings.max_seqs, "PARKQ_EXACT off: any width, not checked"
         engine.plan_batching(size)
         log.info(
             "%d sequences; one decode call takes up to %d of them (the most for which "

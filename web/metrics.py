@@ -22,6 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from jobs.stepclock import PARTS
 from jobs.store import Store
 from jobs.telemetry import BUCKETS_MS
 from scheduler.policy import priority_label
@@ -44,6 +45,10 @@ METRICS = {
         "prefill instead of computing them."
     ),
     "parkq_jobs_ended": "Jobs that reached a final state, by state.",
+    "parkq_step_seconds": (
+        "Workers' time while they had work, by part: engine (llama.cpp calls), sampling, "
+        "redis (step writes, heartbeats), other (scheduling, text, payloads)."
+    ),
     "parkq_park_latency_seconds": "Time to park a job (KV save, state, requeue).",
     "parkq_resume_latency_seconds": "Time from claiming a parked job to its KV restored.",
     "parkq_ttft_seconds": "Time from a job's arrival to its first token, by priority.",
@@ -109,6 +114,12 @@ class RedisCollector(Collector):
         for state in ("finished", "failed", "cancelled"):
             ended.add_metric([state], counters.get(f"jobs_{state}", 0))
         yield ended
+        step = CounterMetricFamily(
+            "parkq_step_seconds", METRICS["parkq_step_seconds"], labels=["part"]
+        )
+        for part in PARTS:
+            step.add_metric([part], counters.get(f"step_seconds:{part}", 0.0))
+        yield step
         for field, name in _HISTOGRAMS.items():
             h = HistogramMetricFamily(name, METRICS[name])
             h.add_metric([], *self._buckets(field))

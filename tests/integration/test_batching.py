@@ -387,3 +387,34 @@ def test_across_two_workers_of_two_sequences_the_lowest_job_makes_room(
     for got, ref in zip(streams, references[:4], strict=True):
         assert completion_text(got) == completion_text(ref)
         assert logprob_tokens(got) == logprob_tokens(ref)
+
+
+@pytest.mark.timeout(300)
+def test_the_fast_mode_batches_parks_and_resumes_every_job_to_its_end(batching: Cluster) -> None:
+    """PARKQ_EXACT off: any batch width, flash attention, repacked weights where
+    they work. A run is no longer bit-identical to one alone, but nothing else
+    changes: jobs run side by side, a full engine parks its lowest for a
+    better one, and every stream ends complete, each event once."""
+    c = batching
+    c.start_worker("fast", env={**FOUR, "PARKQ_MAX_SEQS": "2", "PARKQ_EXACT": "0"})
+    wait_until(lambda: c.workers_alive() == 1, timeout=60)
+    bodies = _bodies()[:2]
+    resps = [submit_stream(c.base_url, body) for body in bodies]
+    ids = [r.headers["X-Job-Id"] for r in resps]
+    wait_until(
+        lambda: all(
+            (s := job(c.base_url, j))["state"] == "running" and s["tokens"] > 100 for j in ids
+        ),
+        timeout=60,
+    )
+    assert {job(c.base_url, j)["worker"] for j in ids} == {"fast", "fast/1"}  # side by side
+    short = read_events(
+        submit_stream(c.base_url, {"prompt": "hi", "max_tokens": 8, "priority": "interactive"})
+    )
+    assert short[-1][1] == "[DONE]"
+    streams = [read_events(r) for r in resps]
+    assert sum(job(c.base_url, j)["preemptions"] for j in ids) == 1
+    for got, body in zip(streams, bodies, strict=True):
+        assert [i for i, _ in got] == list(range(1, len(got) + 1))
+        assert got[-1][1] == "[DONE]"
+        assert len(logprob_tokens(got)) == body["max_tokens"]

@@ -1,18 +1,23 @@
 """Many people at once: k simultaneous interactive streams, for each PARKQ_MAX_SEQS,
-beside llama.cpp's own server.
+greedy and with the openai client's default sampling, beside llama.cpp's own server.
 
-    python -m tools.bench.concurrency [--model PATH] [--seqs 1,8] [--clients 1,2,4,8]
-                                     [--tokens 64] [--threads N] [--peer-server PATH]
+    python -m tools.bench.concurrency [--model PATH] [--seqs 1,default] [--clients 1,2,4,8]
+                                     [--tokens 64] [--threads N] [--n-ctx N]
+                                     [--sampling greedy,default] [--peer-server PATH]
 
-For each sequence count, starts `parkq up` (embedded Redis, web, one worker)
-on the model (default: the demo model), warms it, then for each client count
-sends that many greedy completions at the same moment and records when each
+For each sequence count (``default``: unset, what parkq chooses on this
+machine), starts `parkq up` (embedded Redis, web, one worker) on the model
+(default: the demo model), warms it, then for each sampling arm and client
+count sends that many completions at the same moment and records when each
 token arrives. Then the same bursts against ``llama-server`` (``--peer-server``,
 default the one ``python -m tools.bench.llama_server build`` cached; ``none``
 to skip) with ``-np`` equal to the largest sequence count, the same threads,
-context per sequence and kernel path. Prints, per cell: TTFT p50 / p95 / max,
-inter-token p95, and the aggregate tokens per second (all tokens over the wall
-time from the first request to the last ``[DONE]``); writes them as JSON.
+context per sequence and kernel path, asked for the same distributions. Prints,
+per cell: failed requests, TTFT p50 / p95 / max over the answered ones,
+inter-token p95, the aggregate tokens per second (all tokens over the wall time
+from the first request to the last ``[DONE]``) and, for parkq, where the
+worker's busy time went (``parkq_step_seconds_total``: engine, sampling,
+Redis, other); writes them as JSON.
 """
 
 from __future__ import annotations
@@ -67,18 +72,57 @@ def burst(
     for t in threads:
         t.join()
     wall = max(r.end or t0 for r in reqs) - t0
-    ttft = [1000 * (r.ttft or 0.0) for r in reqs]
-    gaps = [1000 * (b - a) for r in reqs for a, b in zip(r.tokens, r.tokens[1:], strict=False)]
+    # A request that got no token failed: counted as such, never as a fast one.
+    answered = [r for r in reqs if r.ttft is not None and len(r.tokens) >= tokens]
+    ttft = [1000 * r.ttft for r in answered if r.ttft is not None]
+    gaps = [1000 * (b - a) for r in answered for a, b in zip(r.tokens, r.tokens[1:], strict=False)]
     n = sum(len(r.tokens) for r in reqs)
+
+    def ms(q: float | None) -> float | None:
+        return None if q is None else round(q, 1)
+
     return {
         "clients": clients,
-        "ttft_ms_p50": round(statistics.median(ttft), 1),
-        "ttft_ms_p95": round(percentile(ttft, 95) or 0.0, 1),
-        "ttft_ms_max": round(max(ttft), 1),
-        "inter_token_ms_p95": round(percentile(gaps, 95) or 0.0, 1) if gaps else None,
+        "failed": clients - len(answered),
+        "ttft_ms_p50": ms(statistics.median(ttft)) if ttft else None,
+        "ttft_ms_p95": ms(percentile(ttft, 95)),
+        "ttft_ms_max": ms(max(ttft)) if ttft else None,
+        "inter_token_ms_p95": ms(percentile(gaps, 95)),
         "aggregate_tok_s": round(n / wall, 1),
         "tokens": n,
     }
+
+
+def step_split(redis_url: str, settings: Any, before: dict[str, float]) -> dict[str, float]:
+    """The share of each part of the workers' busy time since ``before`` (the
+    counters read then), after the next heartbeat has flushed them."""
+    import redis as redis_lib
+
+    from jobs.stepclock import PARTS
+    from jobs.store import Store
+
+    time.sleep(settings.heartbeat_seconds + 0.3)
+    client = redis_lib.Redis.from_url(redis_url)
+    try:
+        now = Store(client, settings).telemetry.counters()
+    finally:
+        client.close()
+    spent = {p: now.get(f"step_seconds:{p}", 0.0) - before.get(f"step_seconds:{p}", 0.0)
+             for p in PARTS}  # fmt: skip
+    total = sum(spent.values()) or 1.0
+    return {p: round(100 * v / total, 1) for p, v in spent.items()}
+
+
+def counters(redis_url: str, settings: Any) -> dict[str, float]:
+    import redis as redis_lib
+
+    from jobs.store import Store
+
+    client = redis_lib.Redis.from_url(redis_url)
+    try:
+        return Store(client, settings).telemetry.counters()
+    finally:
+        client.close()
 
 
 def _peer_binary(given: str | None) -> str | None:
@@ -102,7 +146,12 @@ def _demo_model() -> str:
 
 def main() -> None:
     ap = command_line(__doc__, "concurrency")
-    ap.add_argument("--seqs", default="1,8", help="PARKQ_MAX_SEQS values to compare")
+    ap.add_argument(
+        "--seqs",
+        default="1,default",
+        help="PARKQ_MAX_SEQS values to compare; default: unset (what parkq chooses)",
+    )
+    ap.add_argument("--n-ctx", type=int, help="PARKQ_N_CTX (default: parkq's, 4096)")
     ap.add_argument("--clients", default="1,2,4,8", help="simultaneous streams")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, help="llama.cpp threads (default: PARKQ_N_THREADS)")
@@ -119,48 +168,64 @@ def main() -> None:
     unknown = [a for a in arms if a not in SAMPLING]
     if unknown:
         ap.error(f"--sampling takes {', '.join(SAMPLING)}, not {', '.join(unknown)}")
-    seqs_list = [int(x) for x in args.seqs.split(",")]
+    from jobs.capacity import sequence_plan
+
+    # "default": PARKQ_MAX_SEQS unset, what `parkq up` chooses here.
+    seqs_list = [None if x == "default" else int(x) for x in args.seqs.split(",")]
     rows = []
+    resolved: list[int] = []
     for seqs in seqs_list:
-        overrides: dict[str, Any] = {"port": 0, "log_level": "WARNING", "n_ctx": 1024,
-                                     "max_seqs": seqs}  # fmt: skip
+        overrides: dict[str, Any] = {"port": 0, "log_level": "WARNING", "max_seqs": seqs}
         overrides["model"] = args.model or _demo_model()
         if args.threads:
             overrides["n_threads"] = args.threads
+        if args.n_ctx:
+            overrides["n_ctx"] = args.n_ctx
         settings = load_settings(**overrides)
+        chosen = sequence_plan(settings).max_seqs
+        resolved.append(chosen)
+        label = f"{chosen}" if seqs is not None else f"default ({chosen})"
         with Stack(settings) as stack:
+            url = stack.settings.redis_url or ""
             burst(stack.base_url, 1, 8)  # warm: the model's pages, the first prefill
             for arm, clients in ((a, c) for a in arms for c in clients_list):
                 fields = SAMPLING[arm]["parkq"]
-                row = {"system": "parkq", "max_seqs": seqs, "sampling": arm,
+                before = counters(url, stack.settings)
+                row = {"system": "parkq", "max_seqs": label, "sampling": arm,
                        **burst(stack.base_url, clients, args.tokens, fields)}  # fmt: skip
+                row["step_split_pct"] = step_split(url, stack.settings, before)
                 rows.append(row)
                 print(row, flush=True)
     peer = _peer_binary(args.peer_server)
     if peer is not None:
-        settings = settings.model_copy(update={"max_seqs": max(seqs_list)})
+        settings = settings.model_copy(update={"max_seqs": max(resolved)})
         extra = worker_kernels(settings)
         threads = settings.n_threads or len(os.sched_getaffinity(0))
         layers = gpu_layers(settings.n_gpu_layers)
-        with running_llama_server(peer, model=settings.model or "", seqs=max(seqs_list),
+        with running_llama_server(peer, model=settings.model or "", seqs=max(resolved),
                                   n_ctx=settings.n_ctx, threads=threads,
                                   extra_buffers=extra.extra_buffers,
                                   gpu_layers=layers) as base:  # fmt: skip
             burst(base, 1, 8)
             for arm, clients in ((a, c) for a in arms for c in clients_list):
                 peer_fields = SAMPLING[arm]["llama-server"]
-                row = {"system": "llama-server", "max_seqs": max(seqs_list), "sampling": arm,
+                row = {"system": "llama-server", "max_seqs": max(resolved), "sampling": arm,
                        **burst(base, clients, args.tokens, peer_fields)}  # fmt: skip
                 rows.append(row)
                 print(row, flush=True)
-    print(f"\n{'system':>12} {'seqs':>5} {'sampling':>8} {'clients':>7} {'TTFT p50':>9} "
-          f"{'p95':>8} {'max':>8} {'ITL p95':>8} {'tok/s':>7}")  # fmt: skip
+    print(f"\n{'system':>12} {'seqs':>11} {'sampling':>8} {'clients':>7} {'failed':>6} "
+          f"{'TTFT p50':>9} {'p95':>8} {'max':>8} {'ITL p95':>8} {'tok/s':>7}  "
+          "step: engine/sampling/redis/other %")  # fmt: skip
     for r in rows:
-        cells = [r["system"], r["max_seqs"], r["sampling"], r["clients"], r["ttft_ms_p50"],
-                 r["ttft_ms_p95"], r["ttft_ms_max"], r["inter_token_ms_p95"],
+        split = r.get("step_split_pct")
+        cells = [r["system"], r["max_seqs"], r["sampling"], r["clients"], r["failed"],
+                 r["ttft_ms_p50"], r["ttft_ms_p95"], r["ttft_ms_max"], r["inter_token_ms_p95"],
                  r["aggregate_tok_s"]]  # fmt: skip
-        widths = (12, 5, 8, 7, 9, 8, 8, 8, 7)
-        print(" ".join(f"{c!s:>{w}}" for c, w in zip(cells, widths, strict=True)))
+        widths = (12, 11, 8, 7, 6, 9, 8, 8, 8, 7)
+        line = " ".join(f"{c!s:>{w}}" for c, w in zip(cells, widths, strict=True))
+        if split:
+            line += "  " + "/".join(f"{split[p]:.0f}" for p in split)
+        print(line)
     write_results(args.out, {"model": settings.model, "threads": settings.n_threads,
                              "tokens": args.tokens, "rows": rows})  # fmt: skip
 
