@@ -97,9 +97,10 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
         stack.wait_healthy()
         s = stack.settings
         redis_shown = redact(s.redis_url) + (f", data in {keep}" if keep else "")
+        seqs = f" of {s.max_seqs} sequences" if s.max_seqs and s.max_seqs > 1 else ""
         click.echo(
             f"parkq is up at {stack.base_url}  (model {Path(s.model or '').name}, "
-            f"{workers} worker{'s' if workers != 1 else ''}, redis {redis_shown})"
+            f"{workers} worker{'s' if workers != 1 else ''}{seqs}, redis {redis_shown})"
         )
         code = stack.wait()
     except KeyboardInterrupt:
@@ -123,7 +124,8 @@ def with_sequences(settings: Settings, workers: int) -> Settings:
     parked = f", {plan.parked_seqs} more keep parked jobs in place" if plan.parked_seqs else ""
     click.echo(
         f"parkq: {plan.max_seqs} sequence{'s' if plan.max_seqs != 1 else ''} per worker "
-        f"generate at once{parked} ({plan.reason})"
+        f"generate at once{parked} ({plan.reason})",
+        err=True,  # standard output's first line stays the "parkq is up at" one
     )
     return settings.model_copy(update={"max_seqs": plan.max_seqs, "parked_seqs": plan.parked_seqs})
 
@@ -489,7 +491,14 @@ def soak(duration: str, url: str | None, api_key: str | None, model: str | None,
             model = str(write_test_model(Path(tempfile.mkdtemp()) / "tiny.gguf"))
         settings = resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
         configure_logging(settings.log_level, settings.log_format)
-        click.echo(f"parkq: starting a stack for a {duration} soak...")
+        if settings.max_seqs is None:
+            # As many sequences as batch clients: the batch jobs fill the engine,
+            # so interactive requests must park one (batching and parking at once).
+            settings = settings.model_copy(update={"max_seqs": max(1, batch_clients)})
+        click.echo(
+            f"parkq: starting a stack for a {duration} soak "
+            f"({settings.max_seqs} sequence(s) per worker, {batch_clients} batch clients)..."
+        )
         with Stack(settings, workers=workers) as stack:
             keys = stack.settings.api_key_list
             report = run_soak(stack.base_url, plan, keys[0] if keys else None, click.echo)

@@ -60,8 +60,10 @@ def start_parkq(
     *extra: str,
     env: dict[str, str] | None = None,
     said: list[str] | None = None,
+    errors: Path | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
-    """`parkq up`; the lines it printed before it was up go to ``said``."""
+    """`parkq up`; the lines it printed before it was up go to ``said``, its
+    standard error to the file ``errors``."""
     port = free_port()
     argv = [sys.executable, "-m", "tools.cli", "up", "--model", str(model), "--port", str(port)]
     if redis_url:
@@ -69,7 +71,12 @@ def start_parkq(
     elif "--data-dir" not in extra and "--ephemeral" not in extra:
         argv += ["--data-dir", tempfile.mkdtemp(prefix="parkq-data-")]  # its own, kept
     full_env = {**os.environ, "PARKQ_LOG_LEVEL": "WARNING", **(env or {})}
-    proc = subprocess.Popen([*argv, *extra], env=full_env, stdout=subprocess.PIPE, text=True)
+    err = errors.open("w") if errors is not None else None
+    proc = subprocess.Popen(
+        [*argv, *extra], env=full_env, stdout=subprocess.PIPE, stderr=err, text=True
+    )
+    if err is not None:
+        err.close()  # the child has its own descriptor
     assert proc.stdout is not None
     # The contract: one line with the base URL once everything answers.
     deadline = time.monotonic() + 120

@@ -73,7 +73,8 @@ def test_up_with_embedded_redis_stops_every_child_on_sigterm(tiny_model: Path) -
 
 
 def test_no_preempt_keeps_priority_order_without_interrupting(tiny_model: Path) -> None:
-    env = {"PARKQ_N_BATCH": "16", "PARKQ_MIN_RUN_SECONDS": "0.05"}
+    # A full engine (one sequence): the short job waits for the long one.
+    env = {"PARKQ_N_BATCH": "16", "PARKQ_MIN_RUN_SECONDS": "0.05", "PARKQ_MAX_SEQS": "1"}
     proc, base = start_parkq(tiny_model, None, "--no-preempt", env=env)
     try:
         long = submit_stream(base, {"prompt": "long", "max_tokens": 1500, "ignore_eos": True,

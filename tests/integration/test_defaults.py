@@ -19,18 +19,23 @@ PEOPLE = 8
 
 
 @pytest.mark.timeout(300)
-def test_eight_people_at_once_all_start_before_anyone_finishes(tiny_model: Path) -> None:
+def test_eight_people_at_once_all_start_before_anyone_finishes(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     # No PARKQ_ setting at all (the test run's own are removed).
     env = {k: v for k, v in os.environ.items() if not k.startswith("PARKQ_")}
     env["PARKQ_LOG_LEVEL"] = "WARNING"
     said: list[str] = []
-    proc, base = start_parkq(tiny_model, None, "--ephemeral", env=env, said=said)
+    errors = tmp_path / "stderr"
+    proc, base = start_parkq(tiny_model, None, "--ephemeral", env=env, said=said, errors=errors)
     try:
         # It says how many sequences it chose and why, before it is up.
-        chosen = re.search(r"parkq: (\d+) sequences per worker generate at once", "".join(said))
-        assert chosen is not None, said
+        why = errors.read_text()
+        chosen = re.search(r"parkq: (\d+) sequences per worker generate at once", why)
+        assert chosen is not None, why
         assert int(chosen.group(1)) == PEOPLE  # the CPU default; the tiny model's KV is small
-        assert "the default on a CPU" in "".join(said)
+        assert "the default on a CPU" in why
+        assert f"1 worker of {PEOPLE} sequences" in said[-1]
 
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
         ids: list[str] = [""] * PEOPLE
