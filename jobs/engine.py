@@ -591,20 +591,30 @@ class LlamaEngine(Vocab):
     def decode(self, steps: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
         """One decode step of several sequences: ``(seq, token, pos)`` each; the
         logits after each, in order. Split into calls as :meth:`probe_batching`
-        planned (one call each until it has run)."""
+        planned (one call each until it has run).
+
+        Each call lists its sequences by increasing id: with a KV stream per
+        sequence, llama.cpp puts into one pass (ubatch) only sequences whose ids
+        follow each other in the batch (``split_equal``, sequential), so the
+        same eight sequences listed as 3, 0, 5, 1... cost several passes, as
+        much as several calls."""
         n = len(steps)
         sizes = self._splits[n] if n < len(self._splits) else [1] * n
-        out: list[np.ndarray] = []
+        order = sorted(range(n), key=lambda i: steps[i][0])
+        out: list[np.ndarray | None] = [None] * n
         start = 0
         for size in sizes:
-            part = steps[start : start + size]
+            part = order[start : start + size]
             start += size
             if len(part) == 1:
-                seq, tok, pos = part[0]
-                out.append(self.eval([tok], pos, seq))
+                seq, tok, pos = steps[part[0]]
+                out[part[0]] = self.eval([tok], pos, seq)
             else:
-                out.extend(self._decode(part))
-        return out
+                for i, logits in zip(part, self._decode([steps[i] for i in part]), strict=True):
+                    out[i] = logits
+        done = [x for x in out if x is not None]
+        assert len(done) == n, "every step gets its logits"
+        return done
 
     def _decode(self, steps: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
         n = len(steps)

@@ -67,7 +67,9 @@ class Sequences:
         self, engine: Engine, n_seqs: int, n_slots: int, checkpoint_bytes: int, prefix_bytes: int
     ) -> None:
         self.engine = engine
-        self.free = list(range(n_seqs - 1, -1, -1))  # popped from the end: 0 first
+        #: The lowest is taken first: running sequences stay a run of consecutive
+        #: ids, which llama.cpp decodes in one pass (see LlamaEngine.decode).
+        self.free = list(range(n_seqs))
         self.in_place: OrderedDict[str, InPlace] = OrderedDict()
         self.in_place_max = n_seqs - n_slots
         self.checkpoints = CheckpointStore(checkpoint_bytes)
@@ -81,7 +83,9 @@ class Sequences:
     def acquire(self) -> int:
         if not self.free:  # every spare sequence keeps a parked job: copy one out
             self.swap_out()
-        return self.free.pop()
+        seq = min(self.free)
+        self.free.remove(seq)
+        return seq
 
     def release(self, seq: int) -> None:
         self.engine.clear(seq)

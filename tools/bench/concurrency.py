@@ -15,7 +15,9 @@ to skip) with ``-np`` equal to the largest sequence count, the same threads,
 context per sequence and kernel path, asked for the same distributions. Prints,
 per cell: failed requests, TTFT p50 / p95 / max over the answered ones,
 inter-token p95, the aggregate tokens per second (all tokens over the wall time
-from the first request to the last ``[DONE]``) and, for parkq, where the
+from the first request to the last ``[DONE]``), each the median of
+``--repeat`` bursts (3; the cells interleaved, so a machine whose speed drifts
+spreads it over all of them) and, for parkq, where the
 worker's busy time went (``parkq_step_seconds_total``: engine, sampling,
 Redis, other); writes them as JSON.
 """
@@ -93,6 +95,29 @@ def burst(
     }
 
 
+def rounds(repeat: int, arms: list[str], clients: list[int]) -> list[tuple[int, str, int]]:
+    """Every (round, arm, clients) cell, the arms and client counts interleaved in
+    each round: a machine whose speed drifts spreads the drift over all cells."""
+    return [(r, a, c) for r in range(repeat) for a in arms for c in clients]
+
+
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell's runs: the median of each figure (failures summed), every run kept."""
+    out: dict[str, Any] = {"clients": runs[0]["clients"], "repeats": len(runs)}
+    for key in ("ttft_ms_p50", "ttft_ms_p95", "ttft_ms_max", "inter_token_ms_p95",
+                "aggregate_tok_s"):  # fmt: skip
+        values = [r[key] for r in runs if r[key] is not None]
+        out[key] = round(statistics.median(values), 1) if values else None
+    out["failed"] = sum(r["failed"] for r in runs)
+    out["tokens"] = sum(r["tokens"] for r in runs)
+    splits = [r["step_split_pct"] for r in runs if r.get("step_split_pct")]
+    if splits:
+        out["step_split_pct"] = {p: round(statistics.median(s[p] for s in splits), 1)
+                                 for p in splits[0]}  # fmt: skip
+    out["runs"] = runs
+    return out
+
+
 def step_split(redis_url: str, settings: Any, before: dict[str, float]) -> dict[str, float]:
     """The share of each part of the workers' busy time since ``before`` (the
     counters read then), after the next heartbeat has flushed them."""
@@ -154,6 +179,8 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, help="PARKQ_N_CTX (default: parkq's, 4096)")
     ap.add_argument("--clients", default="1,2,4,8", help="simultaneous streams")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="bursts per cell, interleaved; the table shows medians")  # fmt: skip
     ap.add_argument("--threads", type=int, help="llama.cpp threads (default: PARKQ_N_THREADS)")
     ap.add_argument("--peer-server", help="llama-server binary (default: the cached build)")
     ap.add_argument("--sampling", default="greedy,default",
@@ -188,14 +215,17 @@ def main() -> None:
         with Stack(settings) as stack:
             url = stack.settings.redis_url or ""
             burst(stack.base_url, 1, 8)  # warm: the model's pages, the first prefill
-            for arm, clients in ((a, c) for a in arms for c in clients_list):
+            runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+            for _, arm, clients in rounds(args.repeat, arms, clients_list):
                 fields = SAMPLING[arm]["parkq"]
                 before = counters(url, stack.settings)
-                row = {"system": "parkq", "max_seqs": label, "sampling": arm,
-                       **burst(stack.base_url, clients, args.tokens, fields)}  # fmt: skip
-                row["step_split_pct"] = step_split(url, stack.settings, before)
-                rows.append(row)
-                print(row, flush=True)
+                run = burst(stack.base_url, clients, args.tokens, fields)
+                run["step_split_pct"] = step_split(url, stack.settings, before)
+                runs.setdefault((arm, clients), []).append(run)
+                print({"system": "parkq", "max_seqs": label, "sampling": arm, **run}, flush=True)
+            for (arm, _n), got in runs.items():
+                rows.append({"system": "parkq", "max_seqs": label, "sampling": arm,
+                             **median_row(got)})  # fmt: skip
     peer = _peer_binary(args.peer_server)
     if peer is not None:
         settings = settings.model_copy(update={"max_seqs": max(resolved)})
@@ -207,12 +237,14 @@ def main() -> None:
                                   extra_buffers=extra.extra_buffers,
                                   gpu_layers=layers) as base:  # fmt: skip
             burst(base, 1, 8)
-            for arm, clients in ((a, c) for a in arms for c in clients_list):
-                peer_fields = SAMPLING[arm]["llama-server"]
-                row = {"system": "llama-server", "max_seqs": max(resolved), "sampling": arm,
-                       **burst(base, clients, args.tokens, peer_fields)}  # fmt: skip
-                rows.append(row)
-                print(row, flush=True)
+            runs = {}
+            for _, arm, clients in rounds(args.repeat, arms, clients_list):
+                run = burst(base, clients, args.tokens, SAMPLING[arm]["llama-server"])
+                runs.setdefault((arm, clients), []).append(run)
+                print({"system": "llama-server", "sampling": arm, **run}, flush=True)
+            for (arm, _n), got in runs.items():
+                rows.append({"system": "llama-server", "max_seqs": max(resolved),
+                             "sampling": arm, **median_row(got)})  # fmt: skip
     print(f"\n{'system':>12} {'seqs':>11} {'sampling':>8} {'clients':>7} {'failed':>6} "
           f"{'TTFT p50':>9} {'p95':>8} {'max':>8} {'ITL p95':>8} {'tok/s':>7}  "
           "step: engine/sampling/redis/other %")  # fmt: skip
