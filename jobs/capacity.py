@@ -32,6 +32,7 @@ __all__ = [
     "kv_bytes_per_position",
     "plan_sequences",
     "sequence_plan",
+    "sequence_plan_elsewhere",
 ]
 
 #: Generating and parked sequences per worker when unset, by where the model runs.
@@ -96,15 +97,20 @@ def available_memory(on_gpu: bool, gpu_free: int | None = None) -> int | None:
 
 
 def _cgroup_room() -> int | None:
-    """A cgroup v2 memory limit's room (limit - current), or None."""
+    """A cgroup memory limit's room (limit - usage), v2 or v1, or None."""
     base = Path("/sys/fs/cgroup")
-    try:
-        limit = (base / "memory.max").read_text().strip()
-        if limit == "max":
-            return None
-        return max(0, int(limit) - int((base / "memory.current").read_text()))
-    except (OSError, ValueError):
-        return None
+    for limit_file, usage_file in (
+        (base / "memory.max", base / "memory.current"),
+        (base / "memory" / "memory.limit_in_bytes", base / "memory" / "memory.usage_in_bytes"),
+    ):
+        try:
+            limit = limit_file.read_text().strip()
+            if limit == "max" or int(limit) >= 1 << 60:  # v1 says "none" with a huge number
+                return None
+            return max(0, int(limit) - int(usage_file.read_text()))
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def plan_sequences(
@@ -135,7 +141,10 @@ def plan_sequences(
         return SequencePlan(
             want, parked, f"the default on a {dev} (KV size or free memory unknown)"
         )
-    budget = max(0.0, (memory - model_bytes) * KV_SHARE / max(1, workers))
+    # Each worker loads its own copy of the model on a GPU; on a CPU the file is
+    # mapped once and shared through the page cache.
+    models = model_bytes * (max(1, workers) if on_gpu else 1)
+    budget = max(0.0, (memory - models) * KV_SHARE / max(1, workers))
     fits = int(budget // per_seq)
     if not chosen[1]:
         parked = max(0, min(parked, fits - want))
@@ -182,3 +191,43 @@ def sequence_plan(settings: Settings, workers: int = 1) -> SequencePlan:
         model_bytes=model_bytes,
         workers=workers,
     )
+
+
+def sequence_plan_elsewhere(settings: Settings, workers: int = 1) -> SequencePlan:
+    """:func:`sequence_plan` computed in a child process: asking a GPU for its
+    free memory creates a driver context that would stay with the caller
+    (`parkq up` lives as long as the stack; its workers need that memory)."""
+    import json
+    import subprocess
+    import sys
+
+    given = {"settings": settings.model_dump(mode="json"), "workers": workers}
+    run = subprocess.run(
+        [sys.executable, "-m", "jobs.capacity"],
+        input=json.dumps(given),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if run.returncode != 0:
+        raise RuntimeError(run.stderr.strip().splitlines()[-1] if run.stderr.strip() else "failed")
+    plan = json.loads(run.stdout)
+    return SequencePlan(int(plan["max_seqs"]), int(plan["parked_seqs"]), str(plan["reason"]))
+
+
+def _main() -> None:
+    """The child of :func:`sequence_plan_elsewhere`: settings in, a plan out (JSON)."""
+    import json
+    import sys
+    from dataclasses import asdict
+
+    from scheduler.settings import Settings
+
+    given = json.loads(sys.stdin.read())
+    plan = sequence_plan(Settings(**given["settings"]), int(given["workers"]))
+    print(json.dumps(asdict(plan)))
+
+
+if __name__ == "__main__":
+    _main()

@@ -177,16 +177,27 @@ def set_llama_extra_buffers(on: bool) -> None:
 
 
 def reference_generate(
-    model: str, prompt: str, tokens: int, n_ctx: int, n_batch: int, n_threads: int
+    model: str,
+    prompt: str,
+    tokens: int,
+    n_ctx: int,
+    n_batch: int,
+    n_threads: int,
+    temperature: float = 0.0,
 ) -> tuple[float, float]:
-    """llama-cpp-python's own greedy loop (``Llama.generate``): what the
-    benchmarks compare parkq against. Returns (seconds to the first token,
-    seconds for the ``tokens - 1`` after it)."""
+    """llama-cpp-python's own loop (``Llama.generate``): what the benchmarks
+    compare parkq against; greedy, or at ``temperature`` over the whole
+    distribution (top_k 0, top_p 1, min_p 0). Returns (seconds to the first
+    token, seconds for the ``tokens - 1`` after it)."""
     llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
                           n_threads_batch=n_threads, verbose=False)  # fmt: skip
     ids = llm.tokenize(prompt.encode())
+    if temperature > 0:
+        draws = llm.generate(ids, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, reset=True)
+    else:
+        draws = llm.generate(ids, temp=0.0, top_k=1, reset=True)
     t0 = first = time.perf_counter()
-    for n, _ in enumerate(llm.generate(ids, temp=0.0, top_k=1, reset=True), start=1):
+    for n, _ in enumerate(draws, start=1):
         if n == 1:
             first = time.perf_counter()
         if n >= tokens:

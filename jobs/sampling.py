@@ -90,12 +90,17 @@ def sample(logits: np.ndarray, params: SamplingParams, step: int) -> int:
     """Pick the next token from raw ``logits`` at generation step ``step``.
 
     The draw depends only on ``logits``, ``params`` and ``(params.seed, step)``.
+    Logits with a NaN, or with no finite value (a grammar that allows no
+    token), are a ``ValueError``: the job fails, nothing is drawn from them.
     """
-    if params.greedy:
-        return int(np.argmax(logits))
     x = np.asarray(logits, dtype=np.float32)
+    best = x.max()
+    if not np.isfinite(best):
+        raise ValueError("the logits hold a NaN or no finite value: nothing to sample from")
+    if params.greedy:
+        return int(np.argmax(x))
     scale = np.float32(min(1.0 / params.temperature, _MAX_SCALE))
-    weights = x - x.max()  # one array of the vocabulary's size, worked in place
+    weights = x - best  # one array of the vocabulary's size, worked in place
     with np.errstate(over="ignore", invalid="ignore"):
         # A tiny temperature sends every token but the best to -inf (weight 0).
         weights *= scale

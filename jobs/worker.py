@@ -111,6 +111,7 @@ class Worker(Executions):
         self._work_waiting = False
         self.stopping = threading.Event()
         self._next_beat = 0.0
+        self._next_clock_flush = 0.0
         # Connection liveness: workers seen without a connection, and since when;
         # when this worker last lost Redis itself (then everyone looks gone).
         self._absent: dict[str, float] = {}
@@ -163,6 +164,7 @@ class Worker(Executions):
                         self.store.wait_for_work(
                             timeout=min(CONN_CHECK_SECONDS, self.settings.heartbeat_seconds)
                         )
+                    self._flush_clock()
                     failures = 0
                 except (redis.ConnectionError, redis.TimeoutError) as exc:
                     # Redis restarting: wait and carry on (its AOF keeps the jobs).
@@ -183,6 +185,18 @@ class Worker(Executions):
 
     def stop(self) -> None:
         self.stopping.set()
+
+    def _flush_clock(self) -> None:
+        """Add the step clock's seconds to the fleet's counters, once per
+        heartbeat interval, between loop iterations (where every part of the
+        iteration is in both the parts and the busy time)."""
+        now = time.monotonic()
+        if now < self._next_clock_flush:
+            return
+        self._next_clock_flush = now + self.settings.heartbeat_seconds
+        spent = CLOCK.take()
+        if any(spent.values()):
+            self._metric(lambda: self.telemetry.add_step_seconds(spent))
 
     # -- sequences --------------------------------------------------------
 
@@ -356,10 +370,8 @@ class Worker(Executions):
                 elif state == JobState.RUNNING and job_id in self.kv.in_place:
                     self.kv.drop(job_id)  # resumed elsewhere: this copy is stale
                     log.info("job %s: resumed elsewhere; in-place checkpoint freed", job_id)
-        CLOCK.add("redis", time.perf_counter() - t0)
-        spent = CLOCK.take()
-        if any(spent.values()):
-            self._metric(lambda: self.telemetry.add_step_seconds(spent))
+        if self._running:  # the clock counts stepping time (see jobs/stepclock.py)
+            CLOCK.add("redis", time.perf_counter() - t0)
 
     def _reap(self, now: float, previous_life: bool = False) -> None:
         """Requeue (or fail) the jobs of workers whose liveness expired; this worker's

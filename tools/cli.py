@@ -118,9 +118,12 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
 def with_sequences(settings: Settings, workers: int) -> Settings:
     """``settings`` with the sequences per worker decided (jobs/capacity.py), said
     in one line: how many, and why."""
-    from jobs.capacity import sequence_plan
+    from jobs.capacity import sequence_plan_elsewhere
 
-    plan = sequence_plan(settings, workers)
+    try:
+        plan = sequence_plan_elsewhere(settings, workers)
+    except (RuntimeError, OSError, ValueError) as exc:
+        raise click.ClickException(f"cannot plan the sequences ({exc})") from None
     parked = f", {plan.parked_seqs} more keep parked jobs in place" if plan.parked_seqs else ""
     click.echo(
         f"parkq: {plan.max_seqs} sequence{'s' if plan.max_seqs != 1 else ''} per worker "

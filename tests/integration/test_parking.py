@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import requests
 
+from jobs.stepclock import PARTS
 from tests.integration.conftest import Server
 from tests.integration.helpers import (
     completion_text,
@@ -245,10 +246,25 @@ def test_metrics_parse_and_move_as_jobs_run_and_park(server: Server) -> None:
     job_id = resp.headers["X-Job-Id"]
     _interrupt(server, job_id, 1)
     read_events(resp)
+    # The step clock reaches the counters with the worker's next flush (one
+    # heartbeat interval, 0.5 s in the tests).
+    wait_until(
+        lambda: (
+            _metrics(server)["parkq_step_seconds_total{part=engine}"]
+            > before.get("parkq_step_seconds_total{part=engine}", 0.0)
+        ),
+        timeout=30,
+    )
     after = _metrics(server)
 
     def moved(name: str) -> float:
         return after[name] - before.get(name, 0.0)
+
+    # Where the worker's busy time went: the engine above all, sampling and
+    # Redis each a share (greedy here: sampling is an argmax).
+    split = {p: moved(f"parkq_step_seconds_total{{part={p}}}") for p in PARTS}
+    assert split["engine"] > 0 and split["redis"] > 0 and split["sampling"] > 0
+    assert split["engine"] > split["sampling"]
 
     assert moved("parkq_preemptions_total{}") == 1
     assert moved("parkq_tokens_generated_total{}") >= 600 + SHORT["max_tokens"]

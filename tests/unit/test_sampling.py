@@ -170,3 +170,15 @@ def test_sampling_a_large_vocabulary_needs_no_sort_of_it() -> None:
         for params in MODES.values():
             sample(x, params, 0)
     assert seen and max(seen) < 262_144 // 8
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), *MODES.values()])
+def test_logits_with_a_nan_or_nothing_finite_are_an_error_not_a_token(
+    params: SamplingParams,
+) -> None:
+    x = _logits(3, 2_000)
+    x[17] = np.nan
+    with pytest.raises(ValueError, match="NaN or no finite value"):
+        sample(x, params, 0)
+    with pytest.raises(ValueError, match="NaN or no finite value"):
+        sample(np.full(2_000, -np.inf, dtype=np.float32), params, 0)

@@ -24,11 +24,14 @@ Redis, other); writes them as JSON.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import threading
 import time
 from typing import Any
+
+import requests
 
 from jobs.engine import gpu_layers
 from scheduler.settings import load_settings
@@ -42,10 +45,19 @@ from tools.client import percentile
 #: defaults, 1.0 and 1.0); llama-server is asked for the same distribution
 #: (its own defaults add top_k 40 and min_p 0.05).
 SAMPLING: dict[str, dict[str, dict[str, Any]]] = {
-    "greedy": {"parkq": {"temperature": 0}, "llama-server": {"temperature": 0}},
+    "greedy": {
+        "parkq": {"temperature": 0},
+        "llama-server": {"temperature": 0, "repeat_penalty": 1.0},
+    },
     "default": {
         "parkq": {},
-        "llama-server": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0},
+        "llama-server": {
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+            "repeat_penalty": 1.0,
+        },
     },
 }
 
@@ -60,12 +72,16 @@ def burst(
     bodies = [
         {"prompt": f"Question {i}: what is a parking queue?\nAnswer:", "max_tokens": tokens,
          "ignore_eos": True, "priority": "interactive", "seed": i,
+         "stream_options": {"include_usage": True},
          **(SAMPLING["greedy"]["parkq"] if sampling is None else sampling)}
         for i in range(clients)
     ]  # fmt: skip
-    threads = [
-        threading.Thread(target=stream, args=(url, b, r)) for b, r in zip(bodies, reqs, strict=True)
-    ]
+
+    def one(body: dict[str, Any], req: Request) -> None:
+        with contextlib.suppress(requests.RequestException):  # no [DONE]: counted as failed
+            stream(url, body, req)
+
+    threads = [threading.Thread(target=one, args=(b, r)) for b, r in zip(bodies, reqs, strict=True)]
     t0 = time.monotonic()
     for r in reqs:
         r.sent = t0
@@ -74,11 +90,14 @@ def burst(
     for t in threads:
         t.join()
     wall = max(r.end or t0 for r in reqs) - t0
-    # A request that got no token failed: counted as such, never as a fast one.
-    answered = [r for r in reqs if r.ttft is not None and len(r.tokens) >= tokens]
+    # A request whose stream did not end with [DONE] failed: counted as such,
+    # never as a fast one. Tokens as the server's usage counts them (a text
+    # piece can hold several tokens: a character of several byte tokens).
+    answered = [r for r in reqs if r.done and r.ttft is not None]
     ttft = [1000 * r.ttft for r in answered if r.ttft is not None]
     gaps = [1000 * (b - a) for r in answered for a, b in zip(r.tokens, r.tokens[1:], strict=False)]
-    n = sum(len(r.tokens) for r in reqs)
+    n = sum(r.completion_tokens if r.completion_tokens is not None else len(r.tokens)
+            for r in reqs)  # fmt: skip
 
     def ms(q: float | None) -> float | None:
         return None if q is None else round(q, 1)
@@ -209,8 +228,12 @@ def main() -> None:
         if args.n_ctx:
             overrides["n_ctx"] = args.n_ctx
         settings = load_settings(**overrides)
-        chosen = sequence_plan(settings).max_seqs
+        plan = sequence_plan(settings)
+        chosen = plan.max_seqs
         resolved.append(chosen)
+        # The worker gets what was planned here (it would plan the same, unless
+        # the free memory moved in between).
+        settings = settings.model_copy(update={"max_seqs": chosen, "parked_seqs": plan.parked_seqs})
         label = f"{chosen}" if seqs is not None else f"default ({chosen})"
         with Stack(settings) as stack:
             url = stack.settings.redis_url or ""

@@ -75,6 +75,10 @@ class Request:
     tokens: list[float] = field(default_factory=list)  # arrival time of each token
     job_id: str | None = None
     text: str = ""
+    #: The stream ended with ``[DONE]``.
+    done: bool = False
+    #: Generated tokens as the server's usage counts them (when it says).
+    completion_tokens: int | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -102,9 +106,15 @@ def stream(
         for _, data in events(r):
             if stop is not None and stop.is_set():
                 break
+            if data == "[DONE]":
+                req.done = True
             if not data.startswith("{"):
                 continue
-            choice = (json.loads(data).get("choices") or [{}])[0]
+            chunk = json.loads(data)
+            usage = chunk.get("usage") or {}
+            if usage.get("completion_tokens") is not None:
+                req.completion_tokens = int(usage["completion_tokens"])
+            choice = (chunk.get("choices") or [{}])[0]
             piece = choice.get("text") or choice.get("delta", {}).get("content")
             if piece:
                 now = time.monotonic()
