@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import requests
 
 from jobs.stepclock import PARTS
+from scheduler.keys import Keys
 from tests.integration.conftest import Server
 from tests.integration.helpers import (
     completion_text,
@@ -21,6 +24,7 @@ from tests.integration.helpers import (
     submit_stream,
     wait_until,
 )
+from tests.integration.test_workers import running_cluster
 
 
 def _long(temperature: float | None, **kw) -> dict[str, Any]:
@@ -100,23 +104,33 @@ def test_parked_job_is_token_identical(server: Server, parks: int, sampling: str
     assert len(logprob_tokens(events)) == 2500
 
 
-def test_parking_during_prefill_continues_from_its_chunk(server: Server) -> None:
+def test_parking_during_prefill_continues_from_its_chunk(
+    redis_server: Any, tiny_model: Path, tmp_path: Path
+) -> None:
     prompt = "the park " * 1000  # 2,000 tokens: 125 chunks of 16
     body = _long(0.0, prompt=prompt, max_tokens=200)
-    # The interrupted run goes first: the reference run after it may reuse the
-    # prompt's cached KV (which changes nothing), but this one must prefill.
-    resp = submit_stream(server.base_url, body)
-    job_id = resp.headers["X-Job-Id"]
-    wait_until(lambda: job(server.base_url, job_id)["state"] == "running", timeout=30)
-    short = submit_stream(server.base_url, SHORT)
-    assert read_events(short, limit=1)
-    checkpoint = json.loads(server.redis.hget(f"{{parkq}}:job:{job_id}", "checkpoint") or "{}")
-    read_events(short)
-    short.close()
-    events = read_events(resp)
-    resp.close()
-    reference = _reference(server, body)
-    assert job(server.base_url, job_id)["preemptions"] == 1
+    prefix = "prefillpark"
+    with running_cluster(redis_server.url, tiny_model, tmp_path, prefix, ()) as c:
+        # Every prefill chunk takes at least 10 ms: the prompt is still being
+        # prefilled (1.25 s or more) when the short request arrives, on any machine.
+        c.start_worker("w", env={"PARKQ_TEST_PREFILL_DELAY_SECONDS": "0.01"})
+        wait_until(lambda: c.workers_alive() == 1, timeout=60)
+        # The interrupted run goes first: the reference run after it may reuse the
+        # prompt's cached KV (which changes nothing), but this one must prefill.
+        resp = submit_stream(c.base_url, body)
+        job_id = resp.headers["X-Job-Id"]
+        wait_until(lambda: job(c.base_url, job_id)["state"] == "running", timeout=30)
+        short = submit_stream(c.base_url, SHORT)
+        assert read_events(short, limit=1)
+        client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+        checkpoint = json.loads(client.hget(Keys(prefix).job(job_id), "checkpoint") or "{}")
+        client.close()
+        read_events(short)
+        short.close()
+        events = read_events(resp)
+        resp.close()
+        assert job(c.base_url, job_id)["preemptions"] == 1
+        reference = read_events(submit_stream(c.base_url, body))
     assert checkpoint["generated"] == [] and 0 < checkpoint["n_prefilled"] < 2000
     assert completion_text(events) == completion_text(reference)
     assert logprob_tokens(events) == logprob_tokens(reference)

@@ -4,8 +4,9 @@
     ../shared/tools/under-load -- .venv/bin/python -m tools.bench.pipeline   # on a busy machine
 
 Starts `parkq up` (embedded Redis, web, one worker) on the model (default: the
-tiny test model), streams ``--tokens`` greedy tokens ``--runs`` times and
-times each from the request to ``[DONE]``; then times the bare
+tiny test model), streams ``--tokens`` tokens ``--runs`` times, greedy and with
+the openai client's default sampling, and times each from the request to
+``[DONE]``; then times the bare
 llama-cpp-python loop (``eval([argmax(logits)])``) for as many steps. The gap
 between the two is what parkq's hops (worker → Redis → web → client) cost.
 """
@@ -22,9 +23,12 @@ from scheduler.settings import load_settings
 from tools.bench import command_line, greedy_decode, write_results
 from tools.bench.workload import Request, stream
 
+#: Greedy, and what the openai client sends unasked (temperature 1, top_p 1).
+ARMS: dict[str, dict[str, Any]] = {"greedy": {"temperature": 0}, "default": {}}
 
-def _pipeline(base_url: str, tokens: int) -> dict[str, float]:
-    body = {"prompt": "hello", "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+
+def _pipeline(base_url: str, tokens: int, sampling: dict[str, Any]) -> dict[str, float]:
+    body = {"prompt": "hello", "max_tokens": tokens, "ignore_eos": True, **sampling}
     req = Request("long", time.monotonic())
     stream(f"{base_url}/v1/completions", body, req)
     t0, first = req.sent, req.first
@@ -57,15 +61,17 @@ def main() -> None:
     if args.threads:
         overrides["n_threads"] = args.threads
     settings = load_settings(**overrides)
-    runs = []
+    runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
     with Stack(settings) as stack:
         for n in range(args.runs):
-            runs.append(_pipeline(stack.base_url, args.tokens))
-            print(f"pipeline run {n}: {runs[-1]}", flush=True)
+            for arm, fields in ARMS.items():  # interleaved: drift spreads over both
+                runs[arm].append(_pipeline(stack.base_url, args.tokens, fields))
+                print(f"pipeline run {n} ({arm}): {runs[arm][-1]}", flush=True)
     bare = _bare(model, args.tokens, settings.n_threads)
-    best = max(r["tok_s"] for r in runs)
-    print(f"pipeline best {best} tok/s; bare decode loop {bare:.0f} tok/s "
-          f"(pipeline/bare {best / bare:.2f})")  # fmt: skip
+    for arm, got in runs.items():
+        best = max(r["tok_s"] for r in got)
+        print(f"{arm}: pipeline best {best} tok/s; bare greedy decode loop {bare:.0f} tok/s "
+              f"(pipeline/bare {best / bare:.2f})")  # fmt: skip
     write_results(
         args.out,
         {
