@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import redis
@@ -28,15 +28,25 @@ from jobs.engine import Engine, EngineError
 from jobs.events import DONE, error_event
 from jobs.generation import Generation, GenerationRequest
 from jobs.rqjobs import RQBridge
-from jobs.runner import CANCEL, PREEMPT, Eval, Outcome, Source, Start, generate
+from jobs.runner import (
+    CANCEL,
+    PREEMPT,
+    Deferred,
+    Eval,
+    Outcome,
+    Source,
+    Start,
+    Yielded,
+    generate,
+)
 from jobs.sequences import Sequences
-from jobs.stepclock import CLOCK
 from jobs.store import (
     CANCEL_EVENTS,
     Claim,
     Fenced,
     Parked,
     Step,
+    StepCall,
     Store,
     TransitionRefused,
 )
@@ -88,8 +98,10 @@ class Running:
     job_id: str
     #: The engine sequence holding its KV (chosen once the job is read).
     seq: int = -1
-    run: Generator[Eval, np.ndarray, None] | None = None
-    call: Eval = field(default_factory=lambda: Eval([], 0))
+    run: Generator[Yielded, Any, None] | None = None
+    #: Its next engine call; between the engine call and the step's writes,
+    #: its deferred step write (the worker makes them all in one round trip).
+    call: Yielded = field(default_factory=lambda: Eval([], 0))
     #: Its job's ordering key and whether it is interactive (set once read).
     key: float = 0.0
     interactive: bool = False
@@ -100,12 +112,20 @@ class Running:
     #: The request (response id) whose prompt it is prefilling for its siblings.
     sharing: str = ""
 
-    def send(self, result: np.ndarray | EngineError) -> None:
+    def send(self, result: np.ndarray | EngineError | int | Exception) -> None:
+        """Resume the generation with its engine call's logits (or the engine's
+        error), or its deferred write's flags (or the write's failure)."""
         assert self.run is not None
-        if isinstance(result, EngineError):
+        if isinstance(result, Exception):
             self.call = self.run.throw(result)
         else:
             self.call = self.run.send(result)
+
+    @property
+    def engine_call(self) -> Eval:
+        """Its next engine call (no deferred write is pending)."""
+        assert isinstance(self.call, Eval), "a deferred write is pending"
+        return self.call
 
 
 @dataclass
@@ -142,6 +162,15 @@ class Job:
     @property
     def interactive(self) -> bool:
         return self.level > PRIORITY_LEVELS["batch"]
+
+
+class StepWrite(Deferred):
+    """A job's step write, deferred to the worker (which makes all of a step's
+    writes in one round trip), and what turns its :class:`Step` into flags."""
+
+    def __init__(self, call: StepCall, control: Callable[[Step], int]) -> None:
+        self.call = call
+        self.control = control
 
 
 @dataclass(frozen=True)
@@ -214,7 +243,7 @@ class Executions:
 
     def _execution(
         self, slot: Slot, claim: Claim, running: Running
-    ) -> Generator[Eval, np.ndarray, None]:
+    ) -> Generator[Yielded, Any, None]:
         """One claimed job on ``slot``, from its first read to its last write;
         yields the engine calls of its generation. Its engine sequence is freed
         at the end, unless it keeps a job parked in place."""
@@ -267,7 +296,7 @@ class Executions:
             ckpt_exec=record.get("ckpt_exec"),
         )
 
-    def _plan(self, job: Job, running: Running) -> Generator[Eval, np.ndarray, Start]:
+    def _plan(self, job: Job, running: Running) -> Generator[Yielded, Any, Start]:
         """Where the job's KV comes from: kept on this worker, replayed, a
         sibling choice's prompt (waiting while a sibling here computes it), a
         cached prompt prefix, or nothing."""
@@ -297,7 +326,7 @@ class Executions:
 
     def _drive(
         self, job: Job, running: Running, start: Start
-    ) -> Generator[Eval, np.ndarray, Outcome | None]:
+    ) -> Generator[Yielded, Any, Outcome | None]:
         """Run the generation; its outcome (None: superseded or failed here)."""
         job_id, gen = job.job_id, job.gen
         log.info(
@@ -370,23 +399,19 @@ class Executions:
 
     # -- a job's steps --------------------------------------------------------
 
-    def _emit(self, job: Job, writer: StepWriter, payloads: list[str]) -> int:
-        """A step's payloads: written now or with a later step; the flags that
-        steer the generation (CANCEL, PREEMPT)."""
+    def _emit(self, job: Job, writer: StepWriter, payloads: list[str]) -> int | StepWrite:
+        """A step's payloads: written with this step's writes (a deferred write:
+        the worker makes all of a step's in one round trip and sends the flags
+        that steer the generation, CANCEL and PREEMPT) or with a later step (no
+        flags: 0)."""
         self.beat(force=False)
         write = writer.take(payloads, self.stopping.is_set())
         if write is None:
             return 0
         c, tokens = job.claim, len(job.gen.generated)
-        t0 = time.perf_counter()
-        step = self._retrying(
-            lambda: self.store.step(
-                c.job_id, c.exec_token, job.slot, tokens, write.first, write.payloads,
-                write.latency_ms,
-            )
-        )  # fmt: skip
-        CLOCK.add("redis", time.perf_counter() - t0)
-        return self._control(job, step)
+        call = StepCall(c.job_id, c.exec_token, job.slot, tokens, write.first, write.payloads,
+                        write.latency_ms)  # fmt: skip
+        return StepWrite(call, partial(self._control, job))
 
     def _observe(self, histogram: str, value_ms: float) -> None:
         self._metric(lambda: self.telemetry.observe(histogram, value_ms))

@@ -6,9 +6,12 @@ a worker can interleave several generations on one engine (their decode steps
 batched in one call, each prefill chunk in a call of its own). :func:`drive`
 runs one generation alone.
 
-``emit(payloads)`` writes a step's events and returns the job's control flags;
-the runner checks them between prefill chunks and between decode steps, which
-is where a running job can be cancelled or parked.
+``emit(payloads)`` writes a step's events and returns the job's control flags,
+or returns a :class:`Deferred` write: the generation yields it, and whoever
+drives it (the worker: all of a step's sequences' writes in one Redis round
+trip) sends the flags back before the generation goes on. The runner checks
+the flags between prefill chunks and between decode steps, which is where a
+running job can be cancelled or parked.
 
 A generation starts fresh, resumes from a KV checkpoint (its positions are
 restored, the pending token decoded), or replays: the same engine calls as
@@ -21,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from enum import Enum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -31,11 +34,13 @@ from jobs.generation import Generation
 __all__ = [
     "CANCEL",
     "PREEMPT",
+    "Deferred",
     "Eval",
     "Outcome",
     "Run",
     "Source",
     "Start",
+    "Yielded",
     "drive",
     "generate",
     "run_alone",
@@ -44,7 +49,6 @@ __all__ = [
 CANCEL = 1
 PREEMPT = 2
 
-Emit = Callable[[list[str]], int]
 R = TypeVar("R")
 
 
@@ -57,8 +61,20 @@ class Eval:
     pos: int
 
 
-#: A generation in progress: yields engine calls, is sent their logits.
-Run = Generator[Eval, np.ndarray, "Outcome"]
+class Deferred:
+    """A step write the caller of the generation makes (with other sequences'
+    writes, in one round trip): yielded by the generation, which is sent the
+    flags back (CANCEL, PREEMPT) before it goes on. What an ``emit`` returns
+    instead of the flags when it leaves the write to the caller."""
+
+
+#: ``emit(payloads)``: the flags, or a :class:`Deferred` write that gives them.
+Emit = Callable[[list[str]], "int | Deferred"]
+#: What a generation yields: an engine call (sent its logits) or a deferred
+#: write (sent its flags).
+Yielded = Eval | Deferred
+#: A generation in progress.
+Run = Generator[Yielded, Any, "Outcome"]
 
 
 @dataclass(frozen=True)
@@ -126,7 +142,15 @@ class Start:
         return self.source in (Source.CHECKPOINT, Source.IN_PLACE, Source.REPLAY)
 
 
-def _replay(gen: Generation, n_batch: int, emit: Emit) -> Generator[Eval, np.ndarray, int]:
+def _flags(emitted: int | Deferred) -> Generator[Yielded, Any, int]:
+    """The flags of an emit: at once, or from the deferred write's caller."""
+    if isinstance(emitted, Deferred):
+        flags: int = yield emitted
+        return flags
+    return emitted
+
+
+def _replay(gen: Generation, n_batch: int, emit: Emit) -> Generator[Yielded, Any, int]:
     """Rebuild the KV of a generation without a checkpoint.
 
     Returns 0, or the flags (CANCEL, PREEMPT) that stopped it: the replay
@@ -137,7 +161,7 @@ def _replay(gen: Generation, n_batch: int, emit: Emit) -> Generator[Eval, np.nda
     ids = gen.request.prompt_ids
     for start in range(0, gen.n_prefilled, n_batch):
         yield Eval(ids[start : min(start + n_batch, gen.n_prefilled)], start)
-        if flags := emit([]) & (CANCEL | PREEMPT):
+        if flags := (yield from _flags(emit([]))) & (CANCEL | PREEMPT):
             return flags
     pos = gen.n_prefilled
     for token in gen.generated[:-1] if gen.pending is not None else []:
@@ -145,7 +169,7 @@ def _replay(gen: Generation, n_batch: int, emit: Emit) -> Generator[Eval, np.nda
         pos += 1
         # Every token: a slow model's replay must keep the heartbeat going (the
         # worker writes at most once per write interval).
-        if flags := emit([]) & (CANCEL | PREEMPT):
+        if flags := (yield from _flags(emit([]))) & (CANCEL | PREEMPT):
             return flags
     return 0
 
@@ -157,11 +181,13 @@ def drive(
     return run_alone(engine, generate(engine, gen, emit, n_batch, start or Start.fresh()), 0)
 
 
-def run_alone(engine: Engine, run: Generator[Eval, np.ndarray, R], seq: int) -> R:
-    """Serve a generation's engine calls one by one on sequence ``seq``."""
+def run_alone(engine: Engine, run: Generator[Yielded, Any, R], seq: int) -> R:
+    """Serve a generation's engine calls one by one on sequence ``seq`` (its
+    emits write themselves: nothing is deferred)."""
     try:
         call = next(run)
         while True:
+            assert isinstance(call, Eval), "run_alone serves emits that write at once"
             call = run.send(engine.eval(call.tokens, call.pos, seq))
     except StopIteration as stop:
         result: R = stop.value
@@ -209,7 +235,7 @@ def generate(
         logits = yield Eval(chunk, at)
         gen.n_prefilled = at + len(chunk)
         if not gen.prefilled:
-            flags = emit([])
+            flags = yield from _flags(emit([]))
             if flags & CANCEL:
                 return Outcome("cancelled", [])
             if flags & PREEMPT:
@@ -230,7 +256,7 @@ def generate(
         payloads = gen.accept(token, logits)
         if gen.done:
             break
-        flags = emit(payloads)
+        flags = yield from _flags(emit(payloads))
         if flags & CANCEL:
             return Outcome("cancelled", [])
         if flags & PREEMPT:

@@ -36,6 +36,7 @@ __all__ = [
     "ReapOutcome",
     "Reaped",
     "Step",
+    "StepCall",
     "Store",
     "TransitionRefused",
 ]
@@ -64,6 +65,19 @@ class Claim:
     #: The device that computed the job so far, when it is not this worker's
     #: (the continuation is then not bit-identical to an uninterrupted run).
     moved_from: str | None = None
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One job's step write (see :meth:`Store.step`)."""
+
+    job_id: str
+    exec_token: str
+    worker: str
+    tokens: int
+    first_seq: int
+    payloads: list[str]
+    latency_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -424,22 +438,36 @@ class Store:
         ``latency_ms`` (time since the previous token) goes to the inter-token
         latency histogram in the same call.
         """
-        k = self.keys
-        bucket = "" if latency_ms is None else bucket_of(latency_ms)
-        got = self._run(
-            "step",
-            [
-                k.job(job_id),
-                k.events(job_id),
-                k.worker(worker),
-                k.queue,
-                k.counters,
-                k.histogram("inter_token_ms"),
-            ],
-            [exec_token, k.channel(job_id), tokens, first_seq, bucket, latency_ms or 0, *payloads],
-        )
+        call = StepCall(job_id, exec_token, worker, tokens, first_seq, payloads, latency_ms)
+        got = self._step_result(call, self._run("step", *self._step_args(call)))
+        if isinstance(got, Fenced):
+            raise got
+        return got
+
+    def steps(self, calls: list[StepCall]) -> list[Step | Fenced]:
+        """:meth:`step` for several jobs in one round trip (a pipeline): each
+        job's :class:`Step`, or :class:`Fenced` where its execution is stale.
+        Safe to repeat, like one step (events are numbered, writes fenced)."""
+        with self.r.pipeline(transaction=False) as p:
+            for call in calls:
+                keys, args = self._step_args(call)
+                self._scripts["step"](keys=keys, args=args, client=p)
+            replies = p.execute()
+        return [self._step_result(c, got) for c, got in zip(calls, replies, strict=True)]
+
+    def _step_args(self, call: StepCall) -> tuple[list[str], list[Any]]:
+        k, job_id = self.keys, call.job_id
+        bucket = "" if call.latency_ms is None else bucket_of(call.latency_ms)
+        keys = [k.job(job_id), k.events(job_id), k.worker(call.worker), k.queue, k.counters,
+                k.histogram("inter_token_ms")]  # fmt: skip
+        args = [call.exec_token, k.channel(job_id), call.tokens, call.first_seq, bucket,
+                call.latency_ms or 0, *call.payloads]  # fmt: skip
+        return keys, args
+
+    @staticmethod
+    def _step_result(call: StepCall, got: Any) -> Step | Fenced:
         if got == -1:
-            raise Fenced(job_id)
+            return Fenced(call.job_id)
         flags, head, detached = got
         return Step(
             int(flags),

@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TypeVar
 
 import numpy as np
@@ -30,13 +31,14 @@ from redis.backoff import ExponentialBackoff
 
 from jobs.batches import BatchStore
 from jobs.engine import Engine, EngineError
-from jobs.execution import NOTHING, WAIT, Executions, Running, Slot
+from jobs.execution import NOTHING, WAIT, Executions, Running, Slot, StepWrite
 from jobs.identity import ModelIdentity
 from jobs.rqjobs import RQBridge
 from jobs.sequences import Sequences
 from jobs.stepclock import CLOCK
 from jobs.store import (
     Claim,
+    Fenced,
     ReapOutcome,
     Store,
 )
@@ -234,42 +236,76 @@ class Worker(Executions):
             self._feed_batch(claim.job_id)
             return
         self._running[slot.index] = running
+        self._write_steps()  # a sibling's prompt can make it write before any call
 
     def _step(self) -> None:
         """One engine step. Alone: its next call. Several: the planner
         (scheduler.batching) picks, from the measured step times, who decodes
         a token in this step's one call and whose prefill chunks run, each in a
         call of its own, with the boundaries it has alone."""
+        self._write_steps()  # left by an iteration that ended on a Redis error
         waiting = [r for r in self._running.values() if r.call is WAIT]
         runs = [r for r in self._running.values() if r.call is not WAIT]
         if len(runs) == 1:
             (r,) = runs
-            prefill = len(r.call.tokens) > 1
-            ms = self._serve([r], lambda: [self.engine.eval(r.call.tokens, r.call.pos, r.seq)])
+            call = r.engine_call
+            prefill = len(call.tokens) > 1
+            ms = self._serve([r], lambda: [self.engine.eval(call.tokens, call.pos, r.seq)])
             if len(self.slots) > 1:  # what the planner needs: one sequence's pace
                 self._measured(None if prefill else 1, ms)
         elif runs:
             views = [
-                SeqView(r.slot.index, r.key, r.interactive, len(r.call.tokens) > 1, r.waited)
+                SeqView(r.slot.index, r.key, r.interactive, len(r.engine_call.tokens) > 1,
+                        r.waited)
                 for r in runs
-            ]
+            ]  # fmt: skip
             pace = self.settings.interactive_pace
             plan = plan_step(views, self._decode_ms, self._prefill_ms, pace)
             for r in runs:
                 r.waited += 1
             decoding = [self._running[index] for index in plan.decode]
             if decoding:
-                steps = [(r.seq, r.call.tokens[0], r.call.pos) for r in decoding]
+                steps = [(r.seq, r.engine_call.tokens[0], r.engine_call.pos) for r in decoding]
                 ms = self._serve(decoding, lambda: self.engine.decode(steps))
                 self._measured(len(steps), ms)
             for p in [self._running[index] for index in plan.prefill]:
                 self._measured(None, self._serve([p], self._call_of(p)))
         for r in waiting:  # a sibling's prompt may be ready now
             self._deliver(r, NOTHING)
+        self._write_steps()
+
+    def _write_steps(self) -> None:
+        """Make the step writes the generations left to the worker, all in one
+        round trip (a pipeline), and send each generation its flags: a step of
+        several sequences costs one Redis round trip, not one per sequence.
+
+        A write that fails past the retries (Redis gone) leaves the writes
+        pending: the loop waits and the next step makes them again (a step
+        write is safe to repeat: events are numbered, writes fenced). A stale
+        execution is thrown :class:`Fenced` at its write, as a write of its
+        own would have raised it."""
+        while pending := [r for r in self._running.values() if isinstance(r.call, StepWrite)]:
+            writes = [r.call for r in pending if isinstance(r.call, StepWrite)]
+            calls = [w.call for w in writes]
+            t0 = time.perf_counter()
+            try:
+                results = self._retrying(partial(self.store.steps, calls))
+            finally:
+                CLOCK.add("redis", time.perf_counter() - t0)
+            for r, write, result in zip(pending, writes, results, strict=True):
+                if isinstance(result, Fenced):
+                    self._deliver(r, result)
+                    continue
+                try:
+                    flags = write.control(result)
+                except Exception as exc:
+                    self._deliver(r, exc)
+                    continue
+                self._deliver(r, flags)
 
     def _call_of(self, r: Running) -> Callable[[], list[np.ndarray]]:
         """``r``'s pending engine call, alone (a prefill chunk)."""
-        call = r.call
+        call = r.engine_call
         return lambda: [self.engine.eval(call.tokens, call.pos, r.seq)]
 
     def _measured(self, n: int | None, ms: float) -> None:
@@ -299,8 +335,9 @@ class Worker(Executions):
             self._deliver(r, result)
         return ms
 
-    def _deliver(self, r: Running, result: np.ndarray | EngineError) -> None:
-        """Send ``r`` its call's result; a generation that ends frees its slot."""
+    def _deliver(self, r: Running, result: np.ndarray | EngineError | int | Exception) -> None:
+        """Send ``r`` its engine call's result or its write's flags (or what
+        failed); a generation that ends frees its slot."""
         try:
             r.send(result)
         except StopIteration:

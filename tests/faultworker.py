@@ -81,22 +81,26 @@ def _install() -> None:
 
         setattr(Store, method, wrapped)
 
+    def most_tokens(args: tuple[Any, ...]) -> int:
+        """The most tokens a step write of ``Store.steps(calls)`` recorded."""
+        return max((call.tokens for call in args[0]), default=0)
+
     if die_after:
 
         def die(store: Store, args: tuple[Any, ...], result: Any) -> None:
-            if args[3] >= die_after:  # step(job_id, exec_token, worker, n_generated, ...)
+            if most_tokens(args) >= die_after:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        after("step", die)
+        after("steps", die)
     if stop_after:
         asked: list[bool] = []
 
         def stop(store: Store, args: tuple[Any, ...], result: Any) -> None:
-            if args[3] >= stop_after and not asked:
+            if most_tokens(args) >= stop_after and not asked:
                 asked.append(True)
                 os.kill(os.getpid(), signal.SIGTERM)
 
-        after("step", stop)
+        after("steps", stop)
     if claim_delay:
         after("claim", lambda store, args, claim: time.sleep(claim_delay) if claim else None)
     if park_delay:

@@ -3,7 +3,7 @@ import pytest
 
 from jobs.events import DONE
 from jobs.identity import ModelIdentity
-from jobs.store import Fenced, JobEnded, Store
+from jobs.store import Fenced, JobEnded, Step, StepCall, Store
 from scheduler.settings import Settings
 from scheduler.state import JobState
 
@@ -148,3 +148,29 @@ def test_a_job_that_moves_to_another_device_is_counted_and_named(
     rec = on_gpu.get("j")
     assert rec is not None
     assert rec["device"] == "CUDA0 (NVIDIA H200)" and rec["device_moves"] == "1"
+
+
+def test_the_steps_of_several_jobs_go_in_one_round_trip_and_a_stale_one_is_fenced(
+    store: Store,
+) -> None:
+    claims = {}
+    for job_id in ("a", "b", "c"):
+        _enqueue(store, job_id, 0, 1.0)
+        claim = store.claim(f"w-{job_id}", 2.0)
+        assert claim is not None and claim.job_id == job_id
+        claims[job_id] = claim
+    calls = [
+        StepCall("a", claims["a"].exec_token, "w-a", 1, 1, ["a1"]),
+        StepCall("b", "stale", "w-b", 1, 1, ["b1"]),
+        StepCall("c", claims["c"].exec_token, "w-c", 2, 1, ["c1", "c2"]),
+    ]
+    got = store.steps(calls)
+    assert isinstance(got[0], Step) and got[0].flags == 0
+    assert isinstance(got[1], Fenced)
+    assert isinstance(got[2], Step)
+    assert store.events_after("a", 0) == [(1, "a1")]
+    assert store.events_after("b", 0) == []  # nothing written for a stale execution
+    assert store.events_after("c", 0) == [(1, "c1"), (2, "c2")]
+    # Repeated (a retry after a lost reply): nothing twice.
+    store.steps(calls)
+    assert store.events_after("c", 0) == [(1, "c1"), (2, "c2")]

@@ -18,7 +18,7 @@ from jobs.engine import EngineError
 from jobs.generation import GenerationRequest
 from jobs.rqjobs import RQBridge
 from jobs.sampling import SamplingParams
-from jobs.store import Store
+from jobs.store import StepCall, Store
 from jobs.worker import Worker
 from scheduler.settings import Settings
 from tests.fakes import FakeEngine
@@ -240,9 +240,9 @@ def _writes_for(
     settings = settings.model_copy(update={"write_interval_seconds": interval})
     store = Store(fake_redis, settings)
     worker = Worker(settings, FakeEngine(), fake_redis, name=f"w-{int(interval)}")
-    writes = []
-    step = worker.store.step
-    worker.store.step = lambda *a, **kw: writes.append(a) or step(*a, **kw)  # type: ignore[method-assign]
+    writes: list[Any] = []
+    steps = worker.store.steps  # a step's writes, all sequences' in one round trip
+    worker.store.steps = lambda calls: writes.extend(calls) or steps(calls)  # type: ignore[method-assign]
     job_id = f"job-{int(interval)}"
     req = GenerationRequest("completion", "fake", list(b"go"), 40, SamplingParams(temperature=0))
     RQBridge(fake_redis, settings.queue_name, settings.result_ttl).create(job_id, "test")
@@ -425,15 +425,16 @@ def test_a_redis_blip_on_a_write_of_several_steps_loses_none_of_them(
         _wait_state(store, "clean", {"finished"})
     store.enqueue("gather", "completion", req.to_json(), 10, time.time())
     worker = Worker(settings, _StepEngine(), fake_redis, name="w1")
-    step, blips = worker.store.step, list[int]()
+    steps, blips = worker.store.steps, list[int]()
 
-    def blip_on_a_gathered_write(*args: Any) -> Any:
-        if len(args[5]) > 1 and not blips:  # payloads of several steps
-            blips.append(len(args[5]))
+    def blip_on_a_gathered_write(calls: list[StepCall]) -> Any:
+        gathered = [len(c.payloads) for c in calls if len(c.payloads) > 1]
+        if gathered and not blips:  # payloads of several steps
+            blips.append(gathered[0])
             raise redis.ConnectionError("Connection reset by peer")
-        return step(*args)
+        return steps(calls)
 
-    worker.store.step = blip_on_a_gathered_write  # type: ignore[method-assign, assignment]
+    worker.store.steps = blip_on_a_gathered_write  # type: ignore[method-assign]
     with _running(worker):
         rec = _wait_state(store, "gather", {"failed", "finished"})
     assert blips, "no write gathered several steps"
