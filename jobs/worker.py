@@ -268,8 +268,12 @@ class Worker(Executions):
                 steps = [(r.seq, r.engine_call.tokens[0], r.engine_call.pos) for r in decoding]
                 ms = self._serve(decoding, lambda: self.engine.decode(steps))
                 self._measured(len(steps), ms)
+                self._write_steps()  # every decoding sequence's tokens: one round trip
             for p in [self._running[index] for index in plan.prefill]:
                 self._measured(None, self._serve([p], self._call_of(p)))
+                # A prompt just prefilled has its first token: out now, not after
+                # the other prompts' chunks of this step.
+                self._write_steps()
         for r in waiting:  # a sibling's prompt may be ready now
             self._deliver(r, NOTHING)
         self._write_steps()
