@@ -235,15 +235,14 @@ def test_concurrent_jobs_run_side_by_side_and_each_streams_what_it_streams_alone
     assert {job(c.base_url, j)["worker"] for j in ids} == {"quad", "quad/1", "quad/2", "quad/3"}
 
 
-@pytest.mark.timeout(300)
-def test_a_full_engine_parks_its_lowest_sequence_for_a_better_job(
-    batching: Cluster, references: list[list[tuple[int, str]]]
-) -> None:
-    c = batching
-    c.start_worker("pair", env={**FOUR, "PARKQ_MAX_SEQS": "2"})
+def _two_running_then_a_better_one(
+    c: Cluster, name: str, env: dict[str, str]
+) -> tuple[list[str], list[list[tuple[int, str]]]]:
+    """On a worker of two sequences, two batch jobs side by side, then an
+    interactive one: their ids and their streams, read to the end."""
+    c.start_worker(name, env={**FOUR, **env, "PARKQ_MAX_SEQS": "2"})
     wait_until(lambda: c.workers_alive() == 1, timeout=60)
-    bodies = _bodies()[:2]
-    resps = [submit_stream(c.base_url, body) for body in bodies]
+    resps = [submit_stream(c.base_url, body) for body in _bodies()[:2]]
     ids = [r.headers["X-Job-Id"] for r in resps]
     # Both past their minimum run time (100 steps of at least 1 ms; 0.05 s in the
     # tests): the victim is then the lower job. A job still inside it cannot be
@@ -255,11 +254,20 @@ def test_a_full_engine_parks_its_lowest_sequence_for_a_better_job(
         ),
         timeout=60,
     )
+    assert {job(c.base_url, j)["worker"] for j in ids} == {name, f"{name}/1"}  # side by side
     short = read_events(
         submit_stream(c.base_url, {"prompt": "hi", "max_tokens": 8, "priority": "interactive"})
     )
     assert short[-1][1] == "[DONE]"
-    streams = [read_events(r) for r in resps]
+    return ids, [read_events(r) for r in resps]
+
+
+@pytest.mark.timeout(300)
+def test_a_full_engine_parks_its_lowest_sequence_for_a_better_job(
+    batching: Cluster, references: list[list[tuple[int, str]]]
+) -> None:
+    c = batching
+    ids, streams = _two_running_then_a_better_one(c, "pair", {})
     assert sum(job(c.base_url, j)["preemptions"] for j in ids) == 1  # one sequence made room
     for got, ref in zip(streams, references[:2], strict=True):
         assert [i for i, _ in got] == list(range(1, len(got) + 1))
@@ -398,25 +406,9 @@ def test_the_fast_mode_batches_parks_and_resumes_every_job_to_its_end(batching: 
     changes: jobs run side by side, a full engine parks its lowest for a
     better one, and every stream ends complete, each event once."""
     c = batching
-    c.start_worker("fast", env={**FOUR, "PARKQ_MAX_SEQS": "2", "PARKQ_EXACT": "0"})
-    wait_until(lambda: c.workers_alive() == 1, timeout=60)
-    bodies = _bodies()[:2]
-    resps = [submit_stream(c.base_url, body) for body in bodies]
-    ids = [r.headers["X-Job-Id"] for r in resps]
-    wait_until(
-        lambda: all(
-            (s := job(c.base_url, j))["state"] == "running" and s["tokens"] > 100 for j in ids
-        ),
-        timeout=60,
-    )
-    assert {job(c.base_url, j)["worker"] for j in ids} == {"fast", "fast/1"}  # side by side
-    short = read_events(
-        submit_stream(c.base_url, {"prompt": "hi", "max_tokens": 8, "priority": "interactive"})
-    )
-    assert short[-1][1] == "[DONE]"
-    streams = [read_events(r) for r in resps]
+    ids, streams = _two_running_then_a_better_one(c, "fast", {"PARKQ_EXACT": "0"})
     assert sum(job(c.base_url, j)["preemptions"] for j in ids) == 1
-    for got, body in zip(streams, bodies, strict=True):
+    for got, body in zip(streams, _bodies()[:2], strict=True):
         assert [i for i, _ in got] == list(range(1, len(got) + 1))
         assert got[-1][1] == "[DONE]"
         assert len(logprob_tokens(got)) == body["max_tokens"]
