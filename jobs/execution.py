@@ -423,7 +423,9 @@ class Executions:
             self._work_waiting = True
         if self.stopping.is_set():
             if not step.flags & (CANCEL | PREEMPT):
-                self.store.request_park(job.slot)  # parked at the next step
+                # Parked at the next step; a blip here is asked again then
+                # (every write is due while stopping).
+                self._metric(lambda: self.store.request_park(job.slot))
             return step.flags
         if step.detached_at is not None and self._abandoned(job.level, step.detached_at):
             job.client_gone = True

@@ -448,11 +448,22 @@ class Store:
         """:meth:`step` for several jobs in one round trip (a pipeline): each
         job's :class:`Step`, or :class:`Fenced` where its execution is stale.
         Safe to repeat, like one step (events are numbered, writes fenced)."""
-        with self.r.pipeline(transaction=False) as p:
-            for call in calls:
-                keys, args = self._step_args(call)
-                self._scripts["step"](keys=keys, args=args, client=p)
-            replies = p.execute()
+        script = self._scripts["step"]
+
+        def run() -> list[Any]:
+            # EVALSHA queued as is: a Script called on a pipeline would ask
+            # SCRIPT EXISTS first, a second round trip every time.
+            with self.r.pipeline(transaction=False) as p:
+                for call in calls:
+                    keys, args = self._step_args(call)
+                    p.evalsha(script.sha, len(keys), *keys, *args)
+                return list(p.execute())
+
+        try:
+            replies = run()
+        except redis.exceptions.NoScriptError:  # a restarted Redis: none of them ran
+            script.sha = self.r.script_load(script.script)
+            replies = run()
         return [self._step_result(c, got) for c, got in zip(calls, replies, strict=True)]
 
     def _step_args(self, call: StepCall) -> tuple[list[str], list[Any]]:

@@ -26,15 +26,18 @@ end
 local function emit_numbered(job, events, channel, first, from)
   local have = tonumber(redis.call('HGET', job, 'seq'))
   local seq = first
+  local written = 0
   if seq <= 0 then seq = have + 1 end
   for i = from, #ARGV do
     if seq > have then
       emit(events, channel, seq, ARGV[i])
       have = seq
+      written = written + 1
     end
     seq = seq + 1
   end
   redis.call('HSET', job, 'seq', have)
+  return written
 end
 
 -- Add `n` observations of `value` ms each to a latency histogram.

@@ -14,17 +14,17 @@
 if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
   return -1
 end
-emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[4]), 7)
+local written = emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[4]), 7)
 local new_tokens = tonumber(ARGV[3]) - tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
 if new_tokens > 0 then
   redis.call('HINCRBY', KEYS[5], 'tokens', new_tokens)
 end
 redis.call('HSET', KEYS[1], 'tokens', ARGV[3])
 -- A write that gathers several fast steps observes each of its events at the
--- mean gap (ARGV[6] is per event).
-local n = #ARGV - 6
-if ARGV[5] ~= '' and n > 0 then
-  observe(KEYS[6], ARGV[5], n, tonumber(ARGV[6]))
+-- mean gap (ARGV[6] is per event); a write made again (a retry) observes only
+-- the events it adds.
+if ARGV[5] ~= '' and written > 0 then
+  observe(KEYS[6], ARGV[5], written, tonumber(ARGV[6]))
 end
 local flags = 0
 if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then

@@ -171,6 +171,13 @@ def test_the_steps_of_several_jobs_go_in_one_round_trip_and_a_stale_one_is_fence
     assert store.events_after("a", 0) == [(1, "a1")]
     assert store.events_after("b", 0) == []  # nothing written for a stale execution
     assert store.events_after("c", 0) == [(1, "c1"), (2, "c2")]
-    # Repeated (a retry after a lost reply): nothing twice.
+    # Repeated (a retry after a lost reply): nothing twice, not even in the
+    # inter-token histogram; and after Redis lost its scripts (a restart).
+    timed = [StepCall("a", claims["a"].exec_token, "w-a", 2, 2, ["a2"], 12.0)]
+    store.steps(timed)
+    store.r.script_flush()
+    store.steps(timed)
+    assert store.events_after("a", 0) == [(1, "a1"), (2, "a2")]
+    assert store.telemetry.histogram("inter_token_ms")["count"] == 1
     store.steps(calls)
     assert store.events_after("c", 0) == [(1, "c1"), (2, "c2")]
