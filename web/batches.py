@@ -239,6 +239,11 @@ def _batch_object(batches: BatchStore, batch_id: str) -> dict[str, Any]:
         invalid = record["invalid"]
         total = int(record.get("total", invalid))
         completed, failed = int(record.get("completed", 0)), int(record.get("failed", invalid))
+        if "total" not in record:
+            # Another thread is writing its files (or died doing it: its lock
+            # expires and a later read writes them): not ended until they are
+            # there, since a client that sees an end reads the files' ids.
+            status = "finalizing"
     elif status == "validating":
         _start_validation(batches, batch_id)  # again, if its validator died with its process
         total = completed = failed = 0

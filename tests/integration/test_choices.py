@@ -190,7 +190,7 @@ def test_a_batch_line_asks_for_one_choice(server: Server) -> None:
     errors = requests.get(
         f"{server.base_url}/v1/files/{batch['error_file_id']}/content", timeout=10
     ).text
-    assert "'n' must be 1" in errors
+    assert "'n' must be 1" in errors, batch
 
 
 # -- the prompt computed once, with real quantized weights ---------------------

@@ -160,15 +160,18 @@ def test_a_failed_batch_is_read_while_its_error_file_is_written(
     client: FlaskClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Between "failed" and its counts and files (written under a lock, maybe
-    by a process that died) a read answers with the counts it can derive."""
+    by a process that died) a read answers "finalizing" with the counts it can
+    derive: a client that sees the batch ended finds its files there."""
     monkeypatch.setattr(BatchStore, "lock", lambda self, batch_id: False)  # held elsewhere
     file_id = _upload(client, ['{"custom_id": "a"}']).get_json()["id"]
     batch_id = _create(client, file_id).get_json()["id"]
-    batch = _wait_status(client, batch_id, {"failed"})
+    batch = _wait_status(client, batch_id, {"finalizing", "failed"})
+    assert batch["status"] == "finalizing"
     assert batch["request_counts"] == {"total": 1, "completed": 0, "failed": 1}
     assert batch["error_file_id"] is None
     monkeypatch.undo()  # the lock is free again: the next read writes the file
     batch = client.get(f"/v1/batches/{batch_id}").get_json()
+    assert batch["status"] == "failed"
     assert len(_jsonl(client, batch["error_file_id"])) == 1
 
 
