@@ -297,7 +297,7 @@ def bench(model: str | None, quick: bool, duration: float | None, rate: float | 
 
     from jobs.engine import Vocab
     from jobs.testmodel import write_test_model
-    from tools.bench.concurrency import SAMPLING
+    from tools.bench import SAMPLING
     from tools.bench.report import run_bench
     from tools.bench.workload import Workload
 

@@ -17,6 +17,28 @@ if TYPE_CHECKING:
     from jobs.engine import LlamaEngine
 
 
+#: The sampling arms: each system's request fields for it. ``default`` is what
+#: the openai client sends when told nothing (no temperature, no top_p: parkq's
+#: defaults, 1.0 and 1.0); llama-server is asked for the same distribution
+#: (its own defaults add top_k 40 and min_p 0.05).
+SAMPLING: dict[str, dict[str, dict[str, Any]]] = {
+    "greedy": {
+        "parkq": {"temperature": 0},
+        "llama-server": {"temperature": 0, "repeat_penalty": 1.0},
+    },
+    "default": {
+        "parkq": {},
+        "llama-server": {
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+            "repeat_penalty": 1.0,
+        },
+    },
+}
+
+
 def model_and_chat_format(path: str | None) -> tuple[str, str | None]:
     """The model to measure: ``path``, or the demo model (assembled once)."""
     if path is not None:

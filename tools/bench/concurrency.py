@@ -35,31 +35,10 @@ import requests
 
 from jobs.engine import gpu_layers
 from scheduler.settings import load_settings
-from tools.bench import command_line, write_results
+from tools.bench import SAMPLING, command_line, write_results
 from tools.bench.llama_server import llama_server_path, running_llama_server
 from tools.bench.workload import Request, stream
 from tools.client import percentile
-
-#: The sampling arms: each system's request fields for it. ``default`` is what
-#: the openai client sends when told nothing (no temperature, no top_p: parkq's
-#: defaults, 1.0 and 1.0); llama-server is asked for the same distribution
-#: (its own defaults add top_k 40 and min_p 0.05).
-SAMPLING: dict[str, dict[str, dict[str, Any]]] = {
-    "greedy": {
-        "parkq": {"temperature": 0},
-        "llama-server": {"temperature": 0, "repeat_penalty": 1.0},
-    },
-    "default": {
-        "parkq": {},
-        "llama-server": {
-            "temperature": 1.0,
-            "top_p": 1.0,
-            "top_k": 0,
-            "min_p": 0.0,
-            "repeat_penalty": 1.0,
-        },
-    },
-}
 
 
 def burst(
@@ -137,27 +116,8 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def step_split(redis_url: str, settings: Any, before: dict[str, float]) -> dict[str, float]:
-    """The share of each part of the workers' busy time since ``before`` (the
-    counters read then), after the next heartbeat has flushed them."""
-    import redis as redis_lib
-
-    from jobs.stepclock import PARTS
-    from jobs.store import Store
-
-    time.sleep(settings.heartbeat_seconds + 0.3)
-    client = redis_lib.Redis.from_url(redis_url)
-    try:
-        now = Store(client, settings).telemetry.counters()
-    finally:
-        client.close()
-    spent = {p: now.get(f"step_seconds:{p}", 0.0) - before.get(f"step_seconds:{p}", 0.0)
-             for p in PARTS}  # fmt: skip
-    total = sum(spent.values()) or 1.0
-    return {p: round(100 * v / total, 1) for p, v in spent.items()}
-
-
 def counters(redis_url: str, settings: Any) -> dict[str, float]:
+    """The fleet's counters (jobs/telemetry.py) of the stack at ``redis_url``."""
     import redis as redis_lib
 
     from jobs.store import Store
@@ -167,6 +127,19 @@ def counters(redis_url: str, settings: Any) -> dict[str, float]:
         return Store(client, settings).telemetry.counters()
     finally:
         client.close()
+
+
+def step_split(redis_url: str, settings: Any, before: dict[str, float]) -> dict[str, float]:
+    """The share of each part of the workers' busy time since ``before`` (the
+    counters read then), after the next heartbeat has flushed them."""
+    from jobs.stepclock import PARTS
+
+    time.sleep(settings.heartbeat_seconds + 0.3)
+    now = counters(redis_url, settings)
+    spent = {p: now.get(f"step_seconds:{p}", 0.0) - before.get(f"step_seconds:{p}", 0.0)
+             for p in PARTS}  # fmt: skip
+    total = sum(spent.values()) or 1.0
+    return {p: round(100 * v / total, 1) for p, v in spent.items()}
 
 
 def _peer_binary(given: str | None) -> str | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.settings import load_settings
-from tools.bench import command_line, model_and_chat_format, write_results
+from tools.bench import SAMPLING, command_line, model_and_chat_format, write_results
 from tools.bench.workload import Request, stream
 from tools.launcher import Stack
 
@@ -28,10 +28,6 @@ def _conversation(i: int, words: int) -> list[dict[str, str]]:
     rng = random.Random(i)
     text = " ".join(rng.choice(WORDS) for _ in range(words))
     return [{"role": "user", "content": f"Read this report:\n{text}\nSummarize it."}]
-
-
-#: Greedy, and what the openai client sends unasked (temperature 1, top_p 1).
-ARMS: dict[str, dict[str, Any]] = {"greedy": {"temperature": 0}, "default": {}}
 
 
 def _chat(base: str, messages: list[dict[str, str]], sampling: dict[str, Any]) -> tuple[float, str]:
@@ -70,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     model, chat_format = model_and_chat_format(args.model)
     result: dict[str, Any] = {"model": Path(model).name}
-    for arm, fields in ARMS.items():
+    for arm, fields in ((arm, SAMPLING[arm]["parkq"]) for arm in SAMPLING):
         with_cache = follow_ups(model, chat_format, True, args.samples, args.words, fields)
         without = follow_ups(model, chat_format, False, args.samples, args.words, fields)
         p50_with, p50_without = statistics.median(with_cache), statistics.median(without)

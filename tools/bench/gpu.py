@@ -257,7 +257,8 @@ def _settings(check: Check, seqs: int, n_ctx: int = 1024) -> Any:
 
 def concurrency(check: Check) -> dict[str, Any]:
     from jobs.engine import gpu_layers
-    from tools.bench.concurrency import SAMPLING, burst
+    from tools.bench import SAMPLING
+    from tools.bench.concurrency import burst
     from tools.bench.llama_server import running_llama_server
 
     clients = check.clients or ([1, 2] if check.cpu else [1, 2, 4, 8, 16])
@@ -308,7 +309,7 @@ def _stack(check: Check, settings: Any) -> Iterator[Any]:
 
 
 def mixed(check: Check) -> dict[str, Any]:
-    from tools.bench.concurrency import SAMPLING
+    from tools.bench import SAMPLING
     from tools.bench.modes import run_llama_server, run_parkq
     from tools.bench.workload import Workload
 

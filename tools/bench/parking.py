@@ -29,7 +29,7 @@ from jobs.generation import Generation, GenerationRequest
 from jobs.sampling import SamplingParams
 from jobs.store import Store
 from scheduler.settings import load_settings
-from tools.bench import command_line, model_and_chat_format, write_results
+from tools.bench import SAMPLING, command_line, model_and_chat_format, write_results
 from tools.bench.workload import Request, stream
 from tools.client import events, percentile
 from tools.launcher import Stack, embedded_redis_server, free_port
@@ -178,8 +178,8 @@ def main() -> None:
         "park_resume": park_resume(model, chat_format, [500, 1500], args.rounds),
         # Greedy, and what the openai client sends unasked (temperature 1, top_p 1).
         "short_ttft": {
-            arm: ttft_under_load(model, chat_format, args.samples, fields)
-            for arm, fields in (("greedy", {"temperature": 0}), ("default", {}))
+            arm: ttft_under_load(model, chat_format, args.samples, SAMPLING[arm]["parkq"])
+            for arm in SAMPLING
         },
     }
     print(f"model {results['model']}")

@@ -20,11 +20,8 @@ from typing import Any
 
 from jobs.engine import LlamaEngine
 from scheduler.settings import load_settings
-from tools.bench import command_line, greedy_decode, write_results
+from tools.bench import SAMPLING, command_line, greedy_decode, write_results
 from tools.bench.workload import Request, stream
-
-#: Greedy, and what the openai client sends unasked (temperature 1, top_p 1).
-ARMS: dict[str, dict[str, Any]] = {"greedy": {"temperature": 0}, "default": {}}
 
 
 def _pipeline(base_url: str, tokens: int, sampling: dict[str, Any]) -> dict[str, float]:
@@ -61,10 +58,11 @@ def main() -> None:
     if args.threads:
         overrides["n_threads"] = args.threads
     settings = load_settings(**overrides)
-    runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+    runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in SAMPLING}
     with Stack(settings) as stack:
         for n in range(args.runs):
-            for arm, fields in ARMS.items():  # interleaved: drift spreads over both
+            for arm in SAMPLING:  # interleaved: drift spreads over both
+                fields = SAMPLING[arm]["parkq"]
                 runs[arm].append(_pipeline(stack.base_url, args.tokens, fields))
                 print(f"pipeline run {n} ({arm}): {runs[arm][-1]}", flush=True)
     bare = _bare(model, args.tokens, settings.n_threads)

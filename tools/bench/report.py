@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.settings import Settings
-from tools.bench import modes
-from tools.bench.concurrency import SAMPLING
+from tools.bench import SAMPLING, modes
 from tools.bench.workload import Workload
 
 __all__ = ["MODES", "OPTIONAL_MODES", "run_bench"]
@@ -70,7 +69,7 @@ def run_bench(
     arms: tuple[str, ...] = tuple(SAMPLING),
 ) -> dict[str, Any]:
     """Every mode in turn, once per sampling arm (greedy, and the openai client's
-    defaults: see tools/bench/concurrency.py ``SAMPLING``); ``peer_server`` (a
+    defaults: see ``tools.bench.SAMPLING``); ``peer_server`` (a
     ``llama-server`` binary) adds llama.cpp's own server as the ``llama_server``
     mode. The JSON holds ``arms``: each arm's modes, ratios and workload."""
     report: dict[str, Any] = {"model": Path(settings.model or "").name, "arms": {},

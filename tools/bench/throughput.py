@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.engine import LlamaEngine, reference_generate
-from tools.bench import command_line, greedy_decode, model_and_chat_format, write_results
+from tools.bench import SAMPLING, command_line, greedy_decode, model_and_chat_format, write_results
 from tools.bench.workload import Request, stream
 
 PROMPT = "The history of the printing press"
@@ -71,7 +71,8 @@ def main() -> None:
                                "parkq_engine": engine}  # fmt: skip
     # Greedy, and what the openai client sends unasked (temperature 1, top_p 1:
     # llama-cpp-python asked for the same distribution).
-    for arm, temperature, fields in (("greedy", 0.0, {"temperature": 0}), ("default", 1.0, {})):
+    for arm, temperature in (("greedy", 0.0), ("default", 1.0)):
+        fields = SAMPLING[arm]["parkq"]
         ours = pipeline(model, args.n_ctx, args.tokens, chat_format, fields)
         theirs = bare_llama(model, args.n_ctx, args.tokens, temperature)
         results[arm] = {"llama_cpp_python": theirs, "parkq_pipeline": ours}
