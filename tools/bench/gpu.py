@@ -19,7 +19,8 @@ fails is recorded with its error and the next one runs):
   over the whole vocabulary (greedy, temperature 1): the engine's and the
   sampler's shares of a step;
 - ``concurrency``: 1-16 simultaneous streams, greedy and the openai client's
-  default sampling, against ``parkq up`` (PARKQ_MAX_SEQS 1 and 16) and
+  default sampling, against ``parkq up`` (PARKQ_MAX_SEQS 1, its default plan, and
+  the plan with PARKQ_EXACT=0) and
   ``llama-server`` from the same build with 16 slots;
 - ``mixed``: a long batch job while short chats arrive, parkq against
   ``llama-server`` with the same slots, both sampling arms;
@@ -245,13 +246,14 @@ def step(check: Check) -> dict[str, Any]:
     return out
 
 
-def _settings(check: Check, seqs: int, n_ctx: int = 1024) -> Any:
+def _settings(check: Check, seqs: int | None, n_ctx: int = 1024, exact: bool = True) -> Any:
+    """The check's settings; ``seqs`` None is parkq's own plan for the machine."""
     from scheduler.settings import load_settings
 
     return load_settings(
         model=check.models["q8_0"], port=0, log_level="WARNING", n_ctx=n_ctx, max_seqs=seqs,
         extra_buffers="off", cache_dir=str(check.work / "cache"),
-        data_dir=str(check.work / "data"),
+        data_dir=str(check.work / "data"), exact=exact,
     )  # fmt: skip
 
 
@@ -265,16 +267,20 @@ def concurrency(check: Check) -> dict[str, Any]:
     tokens = 16 if check.cpu else 64
     rows: list[dict[str, Any]] = []
     budget_end = time.monotonic() + check.left()
-    for seqs in (1, check.limit):
-        settings = _settings(check, seqs)
+    # One sequence; parkq's default plan for the machine (exact); the same plan with
+    # PARKQ_EXACT=0 (batches as wide as llama.cpp takes them, not bit-exact across a park).
+    for seqs, exact in ((1, True), (None, True), (None, False)):
+        settings = _settings(check, seqs, exact=exact)
+        system = "parkq" if exact else "parkq inexact"
         with _stack(check, settings) as stack:
             burst(stack.base_url, 1, 4)  # warm
             for arm in SAMPLING:
-                for n in clients if seqs > 1 else [1, clients[-1]]:
+                for n in clients if seqs != 1 else [1, clients[-1]]:
                     if time.monotonic() > budget_end:
                         break
                     fields = SAMPLING[arm]["parkq"]
-                    rows.append({"system": "parkq", "max_seqs": seqs, "sampling": arm,
+                    rows.append({"system": system, "max_seqs": seqs or "default",
+                                 "sampling": arm,
                                  **burst(stack.base_url, n, tokens, fields)})  # fmt: skip
                     print(rows[-1], flush=True)
     if check.server:
