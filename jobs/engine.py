@@ -27,6 +27,8 @@ __all__ = [
     "EngineError",
     "LlamaEngine",
     "Mismatch",
+    "NotRepeatable",
+    "ProbeVerdict",
     "Vocab",
     "build_info",
     "device_key",
@@ -37,8 +39,15 @@ __all__ = [
 ]
 
 
-#: Decode steps the batching probe compares per sequence (see probe_batching).
-PROBE_STEPS = 16
+#: Decode steps the batching probe compares at each of its checkpoints.
+PROBE_STEPS = 6
+#: The batching probe's time: it checks positions in increasing order, up to the
+#: context a worker serves, and stops here (saying how far it got).
+PROBE_SECONDS = 60.0
+#: llama.cpp pads a sequence's KV cells to multiples of 256, and its kernels can
+#: change at those lengths (seen on CUDA: 4 sequences per call agree with alone up
+#: to position 511 and differ at 512): the probe's checkpoints straddle each one.
+PROBE_STRIDE = 256
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,52 @@ class Mismatch:
 
 class EngineError(RuntimeError):
     """llama.cpp refused a step (e.g. ``llama_decode`` failed)."""
+
+
+class NotRepeatable(EngineError):
+    """The same step of one sequence, run twice, gave other logits: no park on this
+    build can resume bit-exactly."""
+
+
+@dataclass(frozen=True)
+class ProbeVerdict:
+    """What the batching probe found (:meth:`LlamaEngine.probe_invariance`)."""
+
+    #: The most sequences one decode call may take, each getting its logits alone.
+    size: int
+    #: The positions checked: every checkpoint up to here agreed for ``size``.
+    horizon: int
+    #: The context a worker serves (positions per sequence).
+    n_ctx: int
+    #: For each size that differed, the first place it did.
+    failed: dict[int, Mismatch]
+    seconds: float
+
+    @property
+    def complete(self) -> bool:
+        """Checked up to the end of the context (not stopped by the time budget)."""
+        return self.horizon >= self.n_ctx - PROBE_STRIDE // 2 or self.size == 1
+
+    def describe(self) -> str:
+        reach = (f"positions checked up to {self.horizon} of {self.n_ctx}"
+                 + ("" if self.complete else f" (stopped at {PROBE_SECONDS:.0f} s)"))  # fmt: skip
+        bad = min(self.failed) if self.failed else None
+        if bad is None:
+            return f"{reach}, in {self.seconds:.1f} s"
+        m = self.failed[bad]
+        return (f"{bad} per call first differed at position {m.position} (sequence {m.seq}, "
+                f"max {m.max_abs_diff:.3g}); {reach}, in {self.seconds:.1f} s")  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "horizon": self.horizon, "n_ctx": self.n_ctx,
+                "seconds": round(self.seconds, 2),
+                "failed": {str(k): vars(v) for k, v in self.failed.items()}}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ProbeVerdict:
+        failed = {int(k): Mismatch(**v) for k, v in dict(data.get("failed") or {}).items()}
+        return cls(int(data["size"]), int(data["horizon"]), int(data["n_ctx"]), failed,
+                   float(data.get("seconds", 0.0)))  # fmt: skip
 
 
 class Engine(Protocol):
@@ -479,71 +534,136 @@ class LlamaEngine(Vocab):
         ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, n - 1)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
-    def _probe_prompts(self, count: int) -> list[list[int]]:
-        """``count`` different prompts of different lengths (short to past 512
-        positions, where some attention kernels change path)."""
-        text = self.tokenize("parkq checks that batching changes nothing in any sequence. ")
-        lengths = [min(self.n_ctx - PROBE_STEPS - 1, 40 + 90 * i) for i in range(count)]
-        return [[text[(i + j) % len(text)] for j in range(n)] for i, n in enumerate(lengths)]
+    def _probe_token(self, seq: int, pos: int) -> int:
+        """The probe's text for ``seq`` at ``pos``: one sentence, each sequence
+        starting elsewhere in it."""
+        text = self._probe_text
+        return text[(7 * seq + pos) % len(text)]
 
-    def _prefill(self, ids: Sequence[int], seq: int) -> np.ndarray:
-        logits = None
-        for start in range(0, len(ids), self.n_batch):
-            logits = self.eval(ids[start : start + self.n_batch], start, seq)
-        assert logits is not None
-        return logits
+    @property
+    def _probe_text(self) -> list[int]:
+        text = getattr(self, "_probe_text_ids", None)
+        if text is None:
+            text = self.tokenize("parkq checks that batching changes nothing in any sequence. ")
+            self._probe_text_ids = text
+        return text
 
-    def probe_reference(self, count: int) -> tuple[list[list[int]], list[list[np.ndarray]]]:
-        """``count`` probe prompts (see :meth:`_probe_prompts`), each prefilled on
-        its own sequence, and the logits each gets alone at every probe step
-        (greedy). The reference :meth:`batch_mismatch` compares with."""
-        self.clear(-1)
-        prompts = self._probe_prompts(count)
-        alone: list[list[np.ndarray]] = []
-        for seq, ids in enumerate(prompts):
-            out = [self._prefill(ids, seq)]
-            for step in range(PROBE_STEPS):
-                out.append(self.eval([int(np.argmax(out[-1]))], len(ids) + step, seq))
-            alone.append(out)
-        return prompts, alone
+    def _probe_checkpoints(self) -> list[int]:
+        """Where the probe's steps start: early, then across every multiple of
+        PROBE_STRIDE the context reaches, then its end."""
+        last = self.n_ctx - PROBE_STEPS - 4
+        points = [p for p in (24,) if p <= last]
+        points += [m - 3 for m in range(PROBE_STRIDE, last + 4, PROBE_STRIDE) if m - 3 <= last]
+        if points and last - points[-1] > PROBE_STRIDE // 2:
+            points.append(last)
+        return points
 
-    def batch_mismatch(
-        self, size: int, prompts: list[list[int]], alone: list[list[np.ndarray]]
+    def _probe_fill(self, seq: int, have: int, want: int) -> None:
+        """Make ``seq`` hold its probe text at positions 0..want-1."""
+        if want <= have:
+            self.truncate(want, seq)
+            return
+        for start in range(have, want, self.n_batch):
+            end = min(want, start + self.n_batch)
+            self.eval([self._probe_token(seq, p) for p in range(start, end)], start, seq)
+
+    def _probe_alone(self, seq: int, length: int) -> list[np.ndarray]:
+        """PROBE_STEPS one-token calls of ``seq`` from ``length`` (its text fed,
+        not sampled); leaves the sequence at ``length``."""
+        out = [self.eval([self._probe_token(seq, p)], p, seq)
+               for p in range(length, length + PROBE_STEPS)]  # fmt: skip
+        self.truncate(length, seq)
+        return out
+
+    def _probe_together(
+        self, seqs: Sequence[int], length: dict[int, int], alone: dict[int, list[np.ndarray]]
     ) -> Mismatch | None:
-        """Decode the first ``size`` probe sequences together (one call per step)
-        for PROBE_STEPS steps; the first step at which one of them gets other
-        logits than alone, or None when every logit is bit-identical. Leaves
-        the prompts in place."""
-        for seq in range(size):
-            self.truncate(len(prompts[seq]), seq)
-        last = [alone[seq][0] for seq in range(size)]
+        """PROBE_STEPS calls of ``seqs`` together; the first logits that differ
+        from ``alone``. Leaves every sequence at its length."""
+        miss = None
         for step in range(PROBE_STEPS):
-            calls = [(s, int(np.argmax(last[s])), len(prompts[s]) + step) for s in range(size)]
-            last = self._decode(calls) if size > 1 else [self.eval([calls[0][1]], calls[0][2], 0)]
-            for s in range(size):
-                if not np.array_equal(last[s], alone[s][step + 1]):
-                    diff = float(np.max(np.abs(last[s] - alone[s][step + 1])))
-                    return Mismatch(step, s, len(prompts[s]) + step, diff)
-        return None
+            calls = [(s, self._probe_token(s, length[s] + step), length[s] + step) for s in seqs]
+            for s, got in zip(seqs, self._decode(calls), strict=True):
+                want = alone[s][step]
+                if miss is None and not np.array_equal(got, want):
+                    diff = float(np.max(np.abs(got - want)))
+                    miss = Mismatch(step, s, length[s] + step, diff)
+            if miss is not None:
+                break
+        for s in seqs:
+            self.truncate(length[s], s)
+        return miss
+
+    def probe_invariance(
+        self,
+        limit: int | None = None,
+        seconds: float = PROBE_SECONDS,
+        every_size: bool = False,
+        clock: Any = time.monotonic,
+    ) -> ProbeVerdict:
+        """How many sequences (up to ``limit``) one decode call may take with every
+        sequence getting, bit for bit, the logits it gets alone, over the whole
+        context a worker serves.
+
+        At each checkpoint (:meth:`_probe_checkpoints`: short, then across every
+        multiple of 256 cells, then the context's end) every probe sequence is
+        filled with its text to about that length, runs PROBE_STEPS steps alone,
+        and then with others in each size still certified, in two arrangements
+        (the lowest sequence ids and the highest, parked ones' included). The first
+        checkpoint spreads the lengths (a short sequence beside a long one). A size
+        that differs anywhere is not certified, nor any larger one (``every_size``:
+        the larger ones are still checked, for the report). Some kernels change
+        with the cells' length (CUDA at 512), others only now and then (a rounding
+        that flips an activation's quantized value: on a CPU, the demo model's
+        logits changed with 8 sequences a few steps past 400 positions).
+
+        A step that differs when one sequence runs it twice alone raises
+        :class:`NotRepeatable`. Checkpoints stop after ``seconds``; the verdict
+        says how far it got. Clears every sequence."""
+        limit = max(1, min(limit or self.n_seq_max, self.n_seq_max))
+        ids = sorted(set(range(limit)) | set(range(self.n_seq_max - limit, self.n_seq_max)))
+        self.clear(-1)
+        t0 = clock()
+        length = dict.fromkeys(ids, 0)
+        failed: dict[int, Mismatch] = {}
+        horizon = 0
+        points = self._probe_checkpoints()
+        for n, point in enumerate(points):
+            if n and clock() - t0 > seconds:
+                break
+            for i, s in enumerate(ids):
+                # The first checkpoint spreads the lengths; the others keep them together.
+                want = min(point + 16 * i, points[-1]) if n == 0 else point - i % 3
+                self._probe_fill(s, length[s], want)
+                length[s] = want
+            alone = {s: self._probe_alone(s, length[s]) for s in ids}
+            again = self._probe_alone(ids[0], length[ids[0]])
+            for step, (a, b) in enumerate(zip(alone[ids[0]], again, strict=True)):
+                if not np.array_equal(a, b):
+                    self.clear(-1)
+                    raise NotRepeatable(
+                        f"sequence {ids[0]} got other logits when the same step ran twice "
+                        f"(position {length[ids[0]] + step}, max difference "
+                        f"{float(np.max(np.abs(a - b))):.3g})"
+                    )
+            for size in range(2, limit + 1):
+                if size in failed or (not every_size and failed and size > min(failed)):
+                    continue
+                for group in (ids[:size], ids[-size:]):
+                    miss = self._probe_together(group, length, alone)
+                    if miss is not None:
+                        failed[size] = miss
+                        break
+            horizon = max(length.values()) + PROBE_STEPS
+            if not every_size and failed and min(failed) == 2:
+                break  # nothing left to certify: only repeatability, checked
+        self.clear(-1)
+        size = min(failed, default=limit + 1) - 1
+        return ProbeVerdict(max(size, 1), horizon, self.n_ctx, failed, clock() - t0)
 
     def invariant_batch_size(self, limit: int | None = None) -> int:
-        """The most sequences (up to ``limit``) one decode call may take with every
-        sequence getting, bit for bit, the logits it gets alone.
-
-        The check decodes sequences of different lengths (40 to several hundred
-        positions) for PROBE_STEPS steps: some kernels differ only now and then
-        (a rounding that flips an activation's quantized value), so a short check
-        can pass where a long one fails. Measured here (demo model, Q4_K_M, 2
-        cores, no flash attention): up to 7 sequences agree at any length; with 8
-        a sequence's logits change within a few steps past 400 positions. Clears
-        every sequence."""
-        limit = min(limit or self.n_seq_max, self.n_seq_max)
-        prompts, alone = self.probe_reference(limit)
-        invariant = 0
-        while invariant < limit and self.batch_mismatch(invariant + 1, prompts, alone) is None:
-            invariant += 1
-        self.clear(-1)
-        return max(invariant, 1)  # one call per sequence is "alone" by definition
+        """:meth:`probe_invariance`'s size."""
+        return self.probe_invariance(limit).size
 
     def plan_batching(self, invariant: int) -> None:
         """Time one decode call of each size up to ``invariant`` and plan, for each

@@ -168,24 +168,36 @@ def _remember(path: Path, verdict: dict[str, object]) -> None:
         log.warning("cannot cache the verdict at %s: %s", path, exc)
 
 
+def kernel_environment() -> str:
+    """The environment variables that change which kernels llama.cpp and its
+    backends take (``GGML_*``, ``LLAMA_*``, CUDA's and ROCm's), as one line."""
+    prefixes = ("GGML_", "LLAMA_", "CUDA_", "CUBLAS", "HIP_", "ROCR_", "HSA_", "OMP_")
+    return " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(prefixes))
+
+
 def invariant_batch_size(engine: LlamaEngine, limit: int, cache_dir: str | None) -> tuple[int, str]:
     """How many sequences one decode call of ``engine`` may take and stay exact
-    (:meth:`LlamaEngine.invariant_batch_size`), checked once and cached per
-    llama.cpp build, CPU, model file, engine shape and device (CUDA's kernels are
-    not the CPU's); and where it came from."""
-    from jobs.engine import build_info
+    (:meth:`LlamaEngine.probe_invariance`), checked once and cached per llama.cpp
+    build, CPU, model file, engine shape, device and kernel environment (CUDA's
+    kernels are not the CPU's); and what the check found, for the log.
+
+    A verdict cut short by the probe's time budget is kept too (it says how far it
+    got); a build that does not repeat a step raises :class:`NotRepeatable`."""
+    from jobs.engine import ProbeVerdict, build_info
 
     shape = (f"batch {limit} threads {engine.n_threads} ctx {engine.n_ctx} "
-             f"seqs {engine.n_seq_max} device {engine.device}")  # fmt: skip
+             f"seqs {engine.n_seq_max} n_batch {engine.n_batch} device {engine.device} "
+             f"exact {engine.exact} env {kernel_environment()}")  # fmt: skip
     key = _cache_key(engine.path, f"{build_info()}\n{shape}\n{engine.extra_buffers}")
     path = _cache_path(cache_dir, key)
     try:
-        return int(json.loads(path.read_text())["invariant_batch_size"]), "cached"
+        verdict = ProbeVerdict.from_json(json.loads(path.read_text())["probe"])
+        return verdict.size, f"cached: {verdict.describe()}"
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    size = engine.invariant_batch_size(limit)
-    _remember(path, {"invariant_batch_size": size})
-    return size, "checked"
+    verdict = engine.probe_invariance(limit)
+    _remember(path, {"probe": verdict.to_json()})
+    return verdict.size, f"checked: {verdict.describe()}"
 
 
 def worker_kernels(settings: Settings) -> KernelChoice:

@@ -19,6 +19,9 @@ Run as ``python -m tests.faultworker --name NAME`` (the arguments of
   recording the park (a window to kill the worker in the middle of a checkpoint).
 - ``PARKQ_TEST_CLAIM_DELAY_SECONDS``: after claiming a job the worker pauses before
   its first read of the job (a window to restart Redis in).
+- ``PARKQ_TEST_BATCH_VARIANT_FROM`` (``SIZE:POSITION``): a decode call of SIZE or
+  more sequences gives slightly other logits at POSITION and later, as a kernel
+  that changes with the batch width past some length would (CUDA's at 512 cells).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def _install() -> None:
     stop_after = int(os.environ.get("PARKQ_TEST_STOP_AFTER_TOKENS", "0") or 0)
     park_delay = _seconds("PARKQ_TEST_PARK_DELAY_SECONDS")
     claim_delay = _seconds("PARKQ_TEST_CLAIM_DELAY_SECONDS")
+    variant = os.environ.get("PARKQ_TEST_BATCH_VARIANT_FROM", "")
 
     if prefill or decode or per_seq:
         original_eval = LlamaEngine.eval
@@ -69,6 +73,9 @@ def _install() -> None:
             return original_decode(self, steps)
 
         LlamaEngine._decode = slow_decode  # type: ignore[method-assign]
+
+    if variant:
+        plant_batch_variance(*(int(part) for part in variant.split(":")))
 
     def after(method: str, hook: Callable[[Any, tuple[Any, ...], Any], None]) -> None:
         original = getattr(Store, method)
@@ -111,6 +118,34 @@ def _install() -> None:
             return original_park(self, *args)
 
         Store.park = slow_park  # type: ignore[method-assign, assignment]
+
+
+Decode = Callable[[Sequence[tuple[int, int, int]]], list[np.ndarray]]
+
+
+def batch_variant(decode: Decode, size: int, position: int) -> Decode:
+    """``decode`` (one engine's ``_decode``), except that calls of ``size`` or more
+    sequences change each logit row a little from ``position`` on."""
+
+    def variant(steps: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
+        out = decode(steps)
+        if len(steps) >= size:
+            for (_, _, pos), logits in zip(steps, out, strict=True):
+                if pos >= position:
+                    logits[0] += 1e-3
+        return out
+
+    return variant
+
+
+def plant_batch_variance(size: int, position: int) -> None:
+    """Every engine's decode calls vary so (PARKQ_TEST_BATCH_VARIANT_FROM)."""
+    original = LlamaEngine._decode
+
+    def variant(self: LlamaEngine, steps: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
+        return batch_variant(functools.partial(original, self), size, position)(steps)
+
+    LlamaEngine._decode = variant  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import click
 import redis
 
 from jobs.capacity import sequence_plan
-from jobs.engine import LlamaEngine, build_info
+from jobs.engine import LlamaEngine, NotRepeatable, build_info
 from jobs.identity import identify
 from jobs.kernels import invariant_batch_size, worker_kernels
 from jobs.worker import Worker, default_worker_name
@@ -68,7 +68,13 @@ def run_worker(settings: Settings) -> None:
     log.info("model %s: %s", settings.model, engine.placement())
     if settings.max_seqs > 1:
         if settings.exact:
-            size, how = invariant_batch_size(engine, settings.max_seqs, settings.cache_dir)
+            try:
+                size, how = invariant_batch_size(engine, settings.max_seqs, settings.cache_dir)
+            except NotRepeatable as exc:
+                raise click.ClickException(
+                    f"llama.cpp does not repeat itself on this machine ({exc}): no park can "
+                    "resume bit-exactly here. PARKQ_EXACT=0 runs without that promise."
+                ) from None
         else:
             size, how = settings.max_seqs, "PARKQ_EXACT off: any width, not checked"
         engine.plan_batching(size)

@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from jobs.engine import LlamaEngine
+from jobs.engine import PROBE_STRIDE, LlamaEngine, NotRepeatable
 from jobs.kernels import invariant_batch_size
 from jobs.testmodel import write_test_model
+from tests.faultworker import batch_variant
 from tests.integration.helpers import (
     completion_text,
     job,
@@ -158,15 +159,72 @@ def test_a_long_sequence_gets_the_same_logits_alone_beside_others_and_on_any_thr
 
 
 def test_the_batching_verdict_is_checked_once_per_engine_shape_and_cached(
-    q8_model: Path, tmp_path: Path
+    q8_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = _engine(q8_model, 4)
     first = invariant_batch_size(engine, 4, str(tmp_path))
-    assert first[1] == "checked" and 1 <= first[0] <= 4
-    assert invariant_batch_size(engine, 4, str(tmp_path)) == (first[0], "cached")
-    assert invariant_batch_size(engine, 3, str(tmp_path))[1] == "checked"  # another shape
+    assert first[1].startswith("checked: positions checked up to") and 1 <= first[0] <= 4
+    again = invariant_batch_size(engine, 4, str(tmp_path))
+    assert again[0] == first[0] and again[1].startswith("cached: positions checked up to")
+    assert invariant_batch_size(engine, 3, str(tmp_path))[1].startswith("checked")  # another shape
+    # A variable that changes llama.cpp's kernels is another shape too.
+    monkeypatch.setenv("GGML_SCHED_MAX_COPIES", "1")
+    assert invariant_batch_size(engine, 4, str(tmp_path))[1].startswith("checked")
     engine.plan_batching(first[0])
     assert engine.max_batch == first[0]
+    engine.close()
+
+
+def _probe_engine(model: Path, n_ctx: int) -> LlamaEngine:
+    return LlamaEngine(str(model), n_ctx=n_ctx, n_batch=64, n_threads=1, n_seq_max=4,
+                       extra_buffers=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("size, position", [(3, 700), (2, 1010), (4, 256)])
+def test_the_probe_refuses_a_size_that_differs_anywhere_in_the_context(
+    q8_model: Path, size: int, position: int
+) -> None:
+    """A kernel that changes with the batch width only past some length (CUDA's
+    do at 512 cells): the probe follows the context to its end and refuses that
+    width and every wider one, and says where it differed."""
+    engine = _probe_engine(q8_model, 1024)
+    engine._decode = batch_variant(engine._decode, size, position)  # type: ignore[method-assign]
+    verdict = engine.probe_invariance(4)
+    assert verdict.size == size - 1
+    assert position <= verdict.failed[size].position < position + PROBE_STRIDE
+    assert verdict.complete and verdict.horizon >= 1010
+    assert f"{size} per call first differed at position" in verdict.describe()
+    engine.close()
+
+
+def test_the_probe_certifies_the_whole_context_and_says_how_far_it_got(q8_model: Path) -> None:
+    engine = _probe_engine(q8_model, 1024)
+    whole = engine.probe_invariance(4)
+    assert whole.size == 4 and not whole.failed and whole.complete and whole.horizon >= 1010
+    assert "positions checked up to" in whole.describe()
+    # Out of time after the first checkpoint: a verdict for the positions checked,
+    # which says so.
+    clock = iter(range(0, 1000, 100))
+    short = engine.probe_invariance(4, seconds=50, clock=lambda: float(next(clock)))
+    assert short.horizon < 512 and not short.complete and "stopped at" in short.describe()
+    engine.close()
+
+
+def test_a_step_that_does_not_repeat_is_an_error_not_a_batch_of_one(q8_model: Path) -> None:
+    engine = _probe_engine(q8_model, 1024)
+    original = engine.eval
+    seen: dict[int, int] = {}
+
+    def flaky(tokens: Any, pos: int, seq: int = 0) -> np.ndarray:
+        out = original(tokens, pos, seq)
+        if len(tokens) == 1 and seq == 0 and pos >= 600:
+            seen[pos] = seen.get(pos, 0) + 1
+            out[0] += 1e-3 * seen[pos]  # each run of the same step differs
+        return out
+
+    engine.eval = flaky  # type: ignore[method-assign]
+    with pytest.raises(NotRepeatable, match="position 765"):
+        engine.probe_invariance(4)
     engine.close()
 
 
@@ -223,8 +281,13 @@ FOUR = {"PARKQ_MAX_SEQS": "4", "PARKQ_TEST_DECODE_DELAY_SECONDS": "0.001"}
 def test_concurrent_jobs_run_side_by_side_and_each_streams_what_it_streams_alone(
     batching: Cluster, references: list[list[tuple[int, str]]]
 ) -> None:
-    c = batching
-    c.start_worker("quad", env=FOUR)
+    _side_by_side_as_alone(batching, references, FOUR)
+
+
+def _side_by_side_as_alone(
+    c: Cluster, references: list[list[tuple[int, str]]], env: dict[str, str]
+) -> None:
+    c.start_worker("quad", env=env)
     wait_until(lambda: c.workers_alive() == 1, timeout=60)  # one process, four sequences
     ids, results = _concurrent(c, _bodies())
     for got, ref in zip(results, references, strict=True):
@@ -233,6 +296,19 @@ def test_concurrent_jobs_run_side_by_side_and_each_streams_what_it_streams_alone
         assert logprob_tokens(got) == logprob_tokens(ref)
     # They ran together, on the four sequences of one process.
     assert {job(c.base_url, j)["worker"] for j in ids} == {"quad", "quad/1", "quad/2", "quad/3"}
+
+
+@pytest.mark.timeout(300)
+def test_a_width_that_differs_only_past_400_positions_is_not_used_and_streams_stay_exact(
+    batching: Cluster, references: list[list[tuple[int, str]]], tmp_path: Path
+) -> None:
+    """Planted in the worker: three or more sequences in one call get other logits
+    from position 400 on (as CUDA's kernels do from 512 cells). The worker's probe
+    finds it, decodes in calls of two, and each stream is still its run alone.
+    (Its own cache: the machine's holds the verdict of this build without the plant.)"""
+    env = {**FOUR, "PARKQ_TEST_BATCH_VARIANT_FROM": "3:400",
+           "PARKQ_CACHE_DIR": str(tmp_path / "cache")}  # fmt: skip
+    _side_by_side_as_alone(batching, references, env)
 
 
 def _two_running_then_a_better_one(

@@ -77,6 +77,7 @@ class Check:
     shape: str = "1b"
     clients: list[int] | None = None
     mixed_seconds: float | None = None
+    tests: list[str] | None = None
     results: dict[str, Any] = field(default_factory=dict)
     models: dict[str, str] = field(default_factory=dict)
 
@@ -135,35 +136,26 @@ def _engine(model: str, seqs: int, n_ctx: int) -> Any:
 
 def probe(check: Check) -> dict[str, Any]:
     """Every batch size, not only up to the first that fails: on CUDA the
-    kernels change with the batch width, so a size can fail and a larger pass."""
-    from jobs.kernels import invariant_batch_size
-
+    kernels change with the batch width, so a size can fail and a larger pass.
+    The worker takes the largest size below the first that fails."""
     out: dict[str, Any] = {}
     for quant, model in check.models.items():
         if check.left() < 5:
             break
         t0 = time.perf_counter()
         engine = _engine(model, check.limit, 2048)
-        prompts, alone = engine.probe_reference(check.limit)
-        sizes: dict[str, Any] = {}
-        for size in range(1, check.limit + 1):
-            miss = engine.batch_mismatch(size, prompts, alone)
-            sizes[str(size)] = (
-                "identical"
-                if miss is None
-                else {
-                    "step": miss.step,
-                    "seq": miss.seq,
-                    "position": miss.position,
-                    "max_abs_diff": miss.max_abs_diff,
-                }
-            )
-        verdict, _ = invariant_batch_size(engine, check.limit, str(check.work / "cache"))
+        found = engine.probe_invariance(check.limit, seconds=max(check.left() / 4, 5.0),
+                                        every_size=True)  # fmt: skip
+        sizes: dict[str, Any] = {
+            str(size): vars(found.failed[size]) if size in found.failed else "identical"
+            for size in range(1, check.limit + 1)
+        }
+        verdict = found.size
         engine.plan_batching(verdict)
         out[quant] = {
             "device": engine.device,
             "placement": engine.placement(),
-            "prompt_positions": [len(p) for p in prompts],
+            "positions_checked": found.horizon,
             "sizes": sizes,
             "worker_takes": verdict,
             "worker_splits": engine.splits_described(),
@@ -345,19 +337,24 @@ def _mixed_row(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def exactness(check: Check) -> dict[str, Any]:
-    names = ["engine"] if check.cpu else ["engine", "batching", "parking", "quantized"]
+    names = check.tests or (["engine"] if check.cpu else ["engine", "batching", "parking",
+                                                          "quantized"])  # fmt: skip
     tests = [f"tests/integration/test_{name}.py" for name in names]
     # Another machine's packages may warn where this one's do not: a warning is no failure here.
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "120",
-           "-W", "ignore::DeprecationWarning", *tests]  # fmt: skip
+           "-rfE", "--tb=short", "-W", "ignore::DeprecationWarning", *tests]  # fmt: skip
     t0 = time.monotonic()
+    log = check.out / "gpu-exactness.log"  # the whole pytest output: why a test failed there
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(check.left(), 10))
-        tail, rc = done.stdout.strip().splitlines()[-1:] or [""], done.returncode
-        failed = [ln for ln in done.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+        with log.open("w") as sink:
+            rc: int | None = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT,
+                                            timeout=max(check.left(), 10)).returncode  # fmt: skip
+        lines = log.read_text().strip().splitlines()
+        tail = lines[-1:] or [""]
+        failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
     except subprocess.TimeoutExpired:
         tail, rc, failed = ["(stopped at the check's time limit)"], None, []
-    return {"summary": tail[0], "returncode": rc, "failed": failed[:20],
+    return {"summary": tail[0], "returncode": rc, "failed": failed[:20], "log": log.name,
             "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
 
 
@@ -492,6 +489,9 @@ def main() -> None:
     ap.add_argument("--shape", help="the models' shape (default: 1b; --cpu: small)")
     ap.add_argument("--clients", help="concurrency: simultaneous streams (default 1,2,4,8,16)")
     ap.add_argument("--mixed-seconds", type=float, help="mixed: the workload's length")
+    ap.add_argument(
+        "--tests", help="exactness: test files by name (default: engine,batching,parking,quantized)"
+    )
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     args = ap.parse_args()
     import tempfile
@@ -502,7 +502,8 @@ def main() -> None:
     check = Check(out=Path(args.out), cpu=args.cpu, server=args.server,
                   deadline=time.monotonic() + args.seconds, work=work, shape=shape,
                   clients=[int(c) for c in args.clients.split(",")] if args.clients else None,
-                  mixed_seconds=args.mixed_seconds)  # fmt: skip
+                  mixed_seconds=args.mixed_seconds,
+                  tests=args.tests.split(",") if args.tests else None)  # fmt: skip
     run(check, args.only.split(",") if args.only else None)
     _write(check)
     print(markdown(check.results), flush=True)
