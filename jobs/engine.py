@@ -40,10 +40,10 @@ __all__ = [
 
 
 #: Decode steps the batching probe compares at each of its checkpoints.
-PROBE_STEPS = 6
+PROBE_STEPS = 4
 #: The batching probe's time: it checks positions in increasing order, up to the
 #: context a worker serves, and stops here (saying how far it got).
-PROBE_SECONDS = 60.0
+PROBE_SECONDS = 30.0
 #: llama.cpp pads a sequence's KV cells to multiples of 256, and its kernels can
 #: change at those lengths (seen on CUDA: 4 sequences per call agree with alone up
 #: to position 511 and differ at 512): the probe's checkpoints straddle each one.
@@ -553,7 +553,7 @@ class LlamaEngine(Vocab):
         PROBE_STRIDE the context reaches, then its end."""
         last = self.n_ctx - PROBE_STEPS - 4
         points = [p for p in (24,) if p <= last]
-        points += [m - 3 for m in range(PROBE_STRIDE, last + 4, PROBE_STRIDE) if m - 3 <= last]
+        points += [m - 2 for m in range(PROBE_STRIDE, last + 4, PROBE_STRIDE) if m - 2 <= last]
         if points and last - points[-1] > PROBE_STRIDE // 2:
             points.append(last)
         return points
@@ -633,7 +633,7 @@ class LlamaEngine(Vocab):
                 break
             for i, s in enumerate(ids):
                 # The first checkpoint spreads the lengths; the others keep them together.
-                want = min(point + 16 * i, points[-1]) if n == 0 else point - i % 3
+                want = min(point + 16 * i, points[-1]) if n == 0 else point - i % 2
                 self._probe_fill(s, length[s], want)
                 length[s] = want
             alone = {s: self._probe_alone(s, length[s]) for s in ids}
