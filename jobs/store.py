@@ -23,12 +23,13 @@ from scheduler.keys import Keys
 from scheduler.policy import Policy
 from scheduler.preempt import PreemptPolicy, Runner, choose_victim
 from scheduler.settings import Settings
-from scheduler.state import LIVE, JobState, sources
+from scheduler.state import LIVE, TERMINAL, JobState, sources
 
 __all__ = [
     "CANCEL_EVENTS",
     "Cancelled",
     "Claim",
+    "Ending",
     "Fenced",
     "JobEnded",
     "Parked",
@@ -47,6 +48,34 @@ CANCEL_EVENTS = [error_event("The job was cancelled.", "cancelled", "job_cancell
 
 def _states(*states: JobState) -> str:
     return ",".join(s.value for s in states)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a job ended (:meth:`Store.ending`): its state, its stream's last event
+    and whether that is the ``[DONE]``."""
+
+    state: JobState
+    last_seq: int
+    done: bool
+    error: str | None
+    code: str
+
+    def closing_events(self) -> list[str]:
+        """What a stream that ended without its ``[DONE]`` is closed with: the
+        job's error (a failed or cancelled job) and ``[DONE]``."""
+        if self.state is JobState.CANCELLED:
+            return CANCEL_EVENTS
+        if self.state is JobState.FAILED:
+            message = self.error or "The job failed."
+            return [error_event(message, "server_error", self.code), DONE]
+        return [DONE]
+
+    @property
+    def final_seq(self) -> int:
+        """The id of the stream's last event: its stored ``[DONE]``, else the
+        ``[DONE]`` of :meth:`closing_events` (numbered after the stored ones)."""
+        return self.last_seq if self.done else self.last_seq + len(self.closing_events())
 
 
 class QueueFull(Exception):
@@ -294,6 +323,27 @@ class Store:
     def queue_position(self, job_id: str) -> int | None:
         rank = self.r.zrank(self.keys.queue, job_id)
         return None if rank is None else int(rank)
+
+    def ending(self, job_id: str) -> Ending | None:
+        """How a job ended, or None while it is live (queued, running, parked).
+
+        A record that has vanished reads as a failed job whose stream will not
+        get its ``[DONE]``."""
+        with self.r.pipeline(transaction=False) as p:
+            p.hmget(self.keys.job(job_id), ["state", "error"])
+            p.xrevrange(self.keys.events(job_id), max="+", min="-", count=1)
+            (state, error), last = p.execute()
+        if state is not None and JobState(as_text(state)) not in TERMINAL:
+            return None
+        seq, done = 0, False
+        if last:
+            eid, fields = last[0]
+            seq = int(as_text(eid).split("-", 1)[0])
+            done = as_text(fields[b"d"]) == DONE
+        if state is None:
+            return Ending(JobState.FAILED, seq, done, "The job's record is gone.", "job_lost")
+        message = as_text(error) if error is not None else None
+        return Ending(JobState(as_text(state)), seq, done, message, "job_failed")
 
     def events_after(
         self, job_id: str, seq: int, count: int | None = None

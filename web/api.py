@@ -8,7 +8,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from flask import Blueprint, current_app, jsonify, request
+from flask import Blueprint, Response, current_app, jsonify, request
 
 from jobs.batches import BatchStore
 from jobs.generation import GenerationRequest
@@ -308,6 +308,12 @@ def job_events(job_id: str) -> Any:
         )
     if min(after) < 0:
         raise BadRequest("Last-Event-ID must not be negative.")
+    store = current().store
+    ends = [store.ending(j) for j in jobs]
+    if all(e is not None and a >= e.final_seq for e, a in zip(ends, after, strict=True)):
+        # The client has every event up to the [DONE]: nothing to send. 204 also
+        # tells a browser's EventSource to stop reconnecting.
+        return Response(status=204)
     return stream(job_id, jobs, after)
 
 

@@ -66,8 +66,13 @@ def events(
     ``keepalive`` seconds while nothing happens, so the caller can keep the
     connection alive.
     """
+    last = after
     for item in merged(store, [job_id], [after], keepalive, gone):
-        yield None if item is None else item[1:]
+        if item is None:
+            yield None
+        elif item[1] > last:  # (not the [DONE] the client already has)
+            last = item[1]
+            yield item[1:]
 
 
 def merged(
@@ -81,6 +86,15 @@ def merged(
     ``(i, seq, data)`` for job ``job_ids[i]``'s events after ``after[i]``, each
     job's in order; ``None`` when idle. Ends once every job has sent
     ``[DONE]`` (each one's ``[DONE]`` is yielded too), or when the client left.
+
+    At the start and at every keep-alive each open job's state is read: a job
+    that has ended with nothing stored after the client's id is closed. If its
+    stream ends with a ``[DONE]`` at or before that id (a reconnect after the
+    end), that ``[DONE]`` is yielded again under its own id (at or below the
+    client's: :func:`events` drops it); if it ended without one (a refused
+    transition, a fenced failure, a vanished record), its error and a ``[DONE]``
+    are yielded under the ids after the stored ones (not stored: a reconnect
+    with those ids gets what it lacks of them, or only the end).
     """
     pubsub = store.listen(job_ids)
     channels = {store.keys.channel(job_id).encode(): i for i, job_id in enumerate(job_ids)}
@@ -93,12 +107,22 @@ def merged(
         stale = set(open_)  # jobs whose stored events may hold some not yet yielded
         while open_:
             for i in sorted(stale & open_):
+                end = store.ending(job_ids[i])  # before the events: all it wrote is stored
                 for seq, data in store.events_after(job_ids[i], last[i]):
                     last[i] = seq
                     yield i, seq, data
                     if data == DONE:
                         open_.discard(i)
                         break
+                if i in open_ and end is not None:
+                    open_.discard(i)
+                    closing = [DONE] if end.done else end.closing_events()
+                    for seq, data in enumerate(closing, start=end.final_seq - len(closing) + 1):
+                        if seq > last[i]:
+                            last[i] = seq
+                            yield i, seq, data
+                        elif data == DONE:
+                            yield i, seq, data  # the client has it: the end, for merged readers
             stale = set()
             deadline = time.monotonic() + keepalive
             while open_ and not stale:
