@@ -55,16 +55,29 @@ from scheduler.policy import PRIORITY_LEVELS, priority_label
 from scheduler.settings import Settings
 from scheduler.state import JobState
 
-__all__ = ["WAIT", "Executions", "Job", "Running", "Slot", "StepWriter", "Write"]
+__all__ = ["TRANSIENT", "WAIT", "Executions", "Job", "Running", "Slot", "StepWriter", "Write"]
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
 
+#: What Redis answers while it cannot serve for a while: gone or restarting
+#: (a connection error, a timeout, loading its data), or refusing writes
+#: (maxmemory reached, a replica that was the primary, a primary without
+#: replicas to write to). The worker waits for each and carries on; it never
+#: exits for one.
+TRANSIENT: tuple[type[Exception], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.MasterDownError,
+    redis.exceptions.TryAgainError,
+)
 #: Fenced writes (steps, parks, finishes) through a Redis restart: back-off
 #: from 0.2 s to 2 s, about a minute in all.
-WRITE_RETRY = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=32)
+WRITE_RETRY = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=32, supported_errors=TRANSIENT)
 #: How a job's log line tells where its KV came from.
 _STARTS = {
     Source.FRESH: "fresh",
@@ -491,7 +504,7 @@ class Executions:
         """A measurement or a hint (not the job's own data): skipped on a Redis blip."""
         try:
             call()
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except TRANSIENT as exc:
             log.warning("worker %s: a measurement was dropped (%s)", self.name, exc)
 
     def _retrying(self, call: Callable[[], T]) -> T:

@@ -16,6 +16,7 @@ copy of the prompt, or anywhere by replay.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -31,7 +32,7 @@ from redis.backoff import ExponentialBackoff
 
 from jobs.batches import BatchStore
 from jobs.engine import Engine, EngineError
-from jobs.execution import NOTHING, WAIT, Executions, Running, Slot, StepWrite
+from jobs.execution import NOTHING, TRANSIENT, WAIT, Executions, Running, Slot, StepWrite
 from jobs.identity import ModelIdentity
 from jobs.rqjobs import RQBridge
 from jobs.sequences import Sequences
@@ -106,6 +107,9 @@ class Worker(Executions):
             engine, n_seqs, n_slots, settings.checkpoint_bytes, settings.prefix_cache_bytes
         )
         self._running: dict[int, Running] = {}
+        #: Sequences whose job raised and is not yet handed back to the queue
+        #: (Redis was unavailable): no claim takes them until it is.
+        self._returning: dict[int, Slot] = {}
         #: Measured: one decode call of n sequences (ms), one prefill chunk (ms).
         self._decode_ms: dict[int, float] = {}
         self._prefill_ms: float | None = None
@@ -152,6 +156,7 @@ class Worker(Executions):
         try:
             while not self.stopping.is_set() or self._running:
                 try:
+                    self._return_jobs()
                     busy = time.perf_counter() if self._running else None
                     self.beat(force=False)
                     self._reap_disconnected(time.time())
@@ -168,8 +173,9 @@ class Worker(Executions):
                         )
                     self._flush_clock()
                     failures = 0
-                except (redis.ConnectionError, redis.TimeoutError) as exc:
-                    # Redis restarting: wait and carry on (its AOF keeps the jobs).
+                except TRANSIENT as exc:
+                    # Redis restarting, or refusing writes for a while (maxmemory):
+                    # wait and carry on (its AOF keeps the jobs).
                     self._redis_lost_at = time.time()
                     failures += 1
                     backoff = LOOP_BACKOFF.compute(failures)
@@ -177,13 +183,39 @@ class Worker(Executions):
                                 self.name, exc, backoff)  # fmt: skip
                     time.sleep(backoff)
         finally:
-            try:
-                for slot in self.slots:
-                    self.store.workers.remove(slot.name)
-                self.rq.unregister_worker()
-            except redis.ConnectionError:
-                log.warning("worker %s: Redis gone; could not sign off", self.name)
-            log.info("worker %s stopped", self.name)
+            self._sign_off()
+
+    def _sign_off(self) -> None:
+        """Leave the registry. A sequence whose job is still here (the loop ended on
+        an exception, a second signal, a bug) is not removed but marked dead, and
+        its job requeued now as a dead worker's is: no job is left running
+        without a worker. Where Redis is gone nothing can be written: the
+        heartbeats age out and the next reaper requeues them."""
+        held = {*self._running, *self._returning}
+        try:
+            for slot in self.slots:
+                if slot.index in held:
+                    self.store.workers.retire(slot.name)
+            if held:
+                self._reap(time.time(), previous_life=True)
+            for slot in self.slots:
+                self.store.workers.remove(slot.name)
+            self.rq.unregister_worker()
+        except redis.RedisError as exc:
+            log.warning("worker %s: could not sign off (%s); its heartbeat will age out",
+                        self.name, exc)  # fmt: skip
+        if held:
+            log.warning("worker %s: stopped with %d job(s) in flight; requeued",
+                        self.name, len(held))  # fmt: skip
+        # Their generations end now, while the engine is alive (their cleanup
+        # frees engine sequences; left to the garbage collector at exit, it would
+        # run after llama.cpp freed its context).
+        for r in list(self._running.values()):
+            if r.run is not None:
+                with contextlib.suppress(Exception):
+                    r.run.close()
+        self._running.clear()
+        log.info("worker %s stopped", self.name)
 
     def stop(self) -> None:
         self.stopping.set()
@@ -205,7 +237,7 @@ class Worker(Executions):
     def _admit(self) -> None:
         """Claim jobs into free sequences: at once when idle, else when a step
         saw a waiting job (or every CLAIM_SECONDS)."""
-        free = [s for s in self.slots if s.index not in self._running]
+        free = [s for s in self.slots if s.index not in self._running | self._returning.keys()]
         if not free:
             return
         now_m = time.monotonic()
@@ -234,6 +266,9 @@ class Worker(Executions):
             running.call = next(running.run)
         except StopIteration:  # ended before it needed the engine
             self._feed_batch(claim.job_id)
+            return
+        except Exception as exc:  # e.g. its record unreadable: the job, not the worker
+            self._hand_back(running, exc)
             return
         self._running[slot.index] = running
         self._write_steps()  # a sibling's prompt can make it write before any call
@@ -347,9 +382,37 @@ class Worker(Executions):
         except StopIteration:
             del self._running[r.slot.index]
             self._feed_batch(r.job_id)
-        except BaseException:
-            del self._running[r.slot.index]  # a Redis outage past the retries
-            raise
+        except Exception as exc:  # (a signal's SystemExit: the loop's sign-off hands it back)
+            del self._running[r.slot.index]
+            self._hand_back(r, exc)
+
+    def _hand_back(self, r: Running, exc: Exception) -> None:
+        """A job whose generation raised (an engine error, its own data, a bug, Redis
+        past the write retries): the worker goes on without it, and the job goes
+        back to the queue as a dead worker's would (it resumes from its checkpoint
+        or by replay, here or elsewhere; after PARKQ_CRASH_LIMIT such ends it fails
+        with an error event and its [DONE])."""
+        if isinstance(exc, TRANSIENT):
+            log.warning("job %s: Redis failed under it (%s); it goes back to the queue",
+                        r.job_id, exc)  # fmt: skip
+        else:
+            log.error("job %s: %s: %s; it goes back to the queue", r.job_id,
+                      type(exc).__name__, exc, exc_info=exc)  # fmt: skip
+        self._returning[r.slot.index] = r.slot
+        with contextlib.suppress(*TRANSIENT):  # else the loop tries again once Redis answers
+            self._return_jobs()
+
+    def _return_jobs(self) -> None:
+        """Requeue the jobs of the sequences in ``_returning`` (marked dead and
+        reaped, crash counted and fenced, as any dead worker's), then announce
+        those sequences alive again, free."""
+        if not self._returning:
+            return
+        for slot in self._returning.values():
+            self.store.workers.retire(slot.name)
+        self._reap(time.time(), previous_life=True)
+        self._returning.clear()
+        self.beat()
 
     def beat(self, force: bool = True) -> None:
         """Heartbeat; requeue dead workers' jobs; free checkpoints of ended jobs."""
@@ -359,7 +422,7 @@ class Worker(Executions):
         self._next_beat = now + self.settings.heartbeat_seconds
         try:
             self._beat(now)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except TRANSIENT as exc:
             self._redis_lost_at = now
             log.warning("worker %s: heartbeat failed (%s)", self.name, exc)
 

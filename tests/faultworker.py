@@ -19,6 +19,12 @@ Run as ``python -m tests.faultworker --name NAME`` (the arguments of
   recording the park (a window to kill the worker in the middle of a checkpoint).
 - ``PARKQ_TEST_CLAIM_DELAY_SECONDS``: after claiming a job the worker pauses before
   its first read of the job (a window to restart Redis in).
+- ``PARKQ_TEST_JOB_ERROR_AFTER_TOKENS``: the first job of this process that
+  reaches this many generated tokens raises a RuntimeError inside its
+  generation (a bug in one job's path): once per process.
+- ``PARKQ_TEST_WORKER_ERROR_AFTER_TOKENS``: the worker's loop raises a
+  RuntimeError right after a step write recorded this many tokens (a bug
+  outside any one job): the process exits, its cleanup reaching Redis.
 - ``PARKQ_TEST_BATCH_VARIANT_FROM`` (``SIZE:POSITION``): a decode call of SIZE or
   more sequences gives slightly other logits at POSITION and later, as a kernel
   that changes with the batch width past some length would (CUDA's at 512 cells).
@@ -53,6 +59,8 @@ def _install() -> None:
     park_delay = _seconds("PARKQ_TEST_PARK_DELAY_SECONDS")
     claim_delay = _seconds("PARKQ_TEST_CLAIM_DELAY_SECONDS")
     variant = os.environ.get("PARKQ_TEST_BATCH_VARIANT_FROM", "")
+    job_error = int(os.environ.get("PARKQ_TEST_JOB_ERROR_AFTER_TOKENS", "0") or 0)
+    worker_error = int(os.environ.get("PARKQ_TEST_WORKER_ERROR_AFTER_TOKENS", "0") or 0)
 
     if prefill or decode or per_seq:
         original_eval = LlamaEngine.eval
@@ -76,6 +84,19 @@ def _install() -> None:
 
     if variant:
         plant_batch_variance(*(int(part) for part in variant.split(":")))
+    if job_error:
+        from jobs.execution import Executions
+
+        original_emit = Executions._emit
+        raised: list[bool] = []
+
+        def faulty_emit(self: Executions, job: Any, writer: Any, payloads: list[str]) -> Any:
+            if not raised and len(job.gen.generated) >= job_error:
+                raised.append(True)
+                raise RuntimeError(f"planted: job {job.job_id} fails at a token")
+            return original_emit(self, job, writer, payloads)
+
+        Executions._emit = faulty_emit  # type: ignore[method-assign]
 
     def after(method: str, hook: Callable[[Any, tuple[Any, ...], Any], None]) -> None:
         original = getattr(Store, method)
@@ -108,6 +129,13 @@ def _install() -> None:
                 os.kill(os.getpid(), signal.SIGTERM)
 
         after("steps", stop)
+    if worker_error:
+
+        def fail(store: Store, args: tuple[Any, ...], result: Any) -> None:
+            if most_tokens(args) >= worker_error:
+                raise RuntimeError("planted: the worker's loop fails")
+
+        after("steps", fail)
     if claim_delay:
         after("claim", lambda store, args, claim: time.sleep(claim_delay) if claim else None)
     if park_delay:

@@ -1,0 +1,157 @@
+"""Nothing stranded: a worker that stops for a reason nobody planned leaves no
+job `running` without a worker; an error in one job is that job's, and the
+worker goes on; Redis refusing writes for a while never stops a worker.
+
+Each cause is forced in a real worker process through the fault wrapper
+(tests/faultworker.py), against a real redis-server and llama.cpp."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+
+from scheduler.keys import Keys
+from tests.integration.helpers import (
+    completion_text,
+    job,
+    read_events,
+    reading_in_background,
+    submit_stream,
+    wait_until,
+)
+from tests.integration.test_workers import Cluster, running_cluster
+
+LONG = {"prompt": "A job that must end", "max_tokens": 400, "temperature": 0,
+        "ignore_eos": True, "priority": "batch"}  # fmt: skip
+#: Each decode step at least 2 ms: a 400-token job runs for a second or more.
+SLOW = {"PARKQ_TEST_DECODE_DELAY_SECONDS": "0.002"}
+
+
+@pytest.fixture
+def stack(redis_server, tiny_model: Path, tmp_path: Path) -> Iterator[Cluster]:
+    """`parkq web` and no worker yet (each test starts its own)."""
+    prefix = f"strand{time.monotonic_ns()}"
+    with running_cluster(redis_server.url, tiny_model, tmp_path, prefix, ()) as c:
+        wait_until(lambda: _up(c), timeout=60)
+        yield c
+
+
+def _up(c: Cluster) -> bool:
+    try:
+        return requests.get(f"{c.base_url}/healthz", timeout=5).status_code in (200, 503)
+    except requests.RequestException:
+        return False
+
+
+def _reference(c: Cluster) -> str:
+    """LONG's text from an undisturbed worker (started and stopped here)."""
+    c.start_worker("ref")
+    wait_until(lambda: c.workers_alive() == 1, timeout=60)
+    text = completion_text(read_events(submit_stream(c.base_url, LONG)))
+    ref = c.procs.pop("ref")
+    ref.terminate()
+    ref.wait(timeout=30)
+    wait_until(lambda: c.workers_alive() == 0, timeout=30)
+    return text
+
+
+def test_a_worker_that_exits_on_an_unplanned_error_leaves_its_job_to_the_next(
+    stack: Cluster,
+) -> None:
+    """The loop fails outside any job (a bug) after 100 tokens: the process
+    exits, and its sign-off requeues the job instead of forgetting the worker
+    (which left the job `running` for good, its client on keep-alives)."""
+    c = stack
+    reference = _reference(c)
+    c.start_worker("buggy", env={**SLOW, "PARKQ_TEST_WORKER_ERROR_AFTER_TOKENS": "100"})
+    resp = submit_stream(c.base_url, LONG)
+    job_id = resp.headers["X-Job-Id"]
+    thread, seen = reading_in_background(c.base_url, resp, per_connection=1000)
+    assert c.procs["buggy"].wait(timeout=60) != 0
+    wait_until(lambda: job(c.base_url, job_id)["state"] == "queued", timeout=10)
+    c.start_worker("next")  # whoever comes next finishes it
+    thread.join(timeout=120)
+    assert seen and seen[-1][1] == "[DONE]"
+    assert [i for i, _ in seen] == list(range(1, len(seen) + 1))  # each once, in order
+    assert completion_text(seen) == reference
+    assert job(c.base_url, job_id)["state"] == "finished"
+
+
+def test_an_error_inside_one_job_requeues_it_and_the_worker_goes_on(stack: Cluster) -> None:
+    """The job's own path fails once at token 100: the same worker, still
+    running, takes it back and finishes it; the client sees one text."""
+    c = stack
+    reference = _reference(c)
+    c.start_worker("w", env={**SLOW, "PARKQ_TEST_JOB_ERROR_AFTER_TOKENS": "100"})
+    wait_until(lambda: c.workers_alive() == 1, timeout=60)
+    resp = submit_stream(c.base_url, LONG)
+    job_id = resp.headers["X-Job-Id"]
+    thread, seen = reading_in_background(c.base_url, resp, per_connection=1000)
+    thread.join(timeout=120)
+    assert seen and seen[-1][1] == "[DONE]"
+    assert [i for i, _ in seen] == list(range(1, len(seen) + 1))
+    assert completion_text(seen) == reference
+    status = job(c.base_url, job_id)
+    assert status["state"] == "finished" and status["worker"] == "w"
+    assert c.procs["w"].poll() is None  # the worker went on
+    # And serves the next job.
+    assert read_events(submit_stream(c.base_url, {**LONG, "max_tokens": 20}))[-1][1] == "[DONE]"
+
+
+def test_a_job_whose_record_cannot_be_read_fails_and_the_worker_goes_on(
+    stack: Cluster, redis_server
+) -> None:
+    """A job whose stored request is not JSON (a bad write, a tool that edited
+    Redis): each claim of it fails at its start; after PARKQ_CRASH_LIMIT (3)
+    it fails with an error event and [DONE]; the worker serves the next job."""
+    c = stack
+    resp = submit_stream(c.base_url, LONG)  # no worker yet: it waits in the queue
+    job_id = resp.headers["X-Job-Id"]
+    key = Keys(c.env["PARKQ_KEY_PREFIX"]).job(job_id)
+    redis.Redis.from_url(redis_server.url).hset(key, "request", "{not json")
+    c.start_worker("w")
+    seen = read_events(resp)
+    assert seen[-1][1] == "[DONE]"
+    error = json.loads(seen[-2][1])["error"]
+    assert error["type"] == "server_error" and "worker" in error["message"]
+    assert job(c.base_url, job_id)["state"] == "failed"
+    assert c.procs["w"].poll() is None
+    assert read_events(submit_stream(c.base_url, {**LONG, "max_tokens": 20}))[-1][1] == "[DONE]"
+
+
+def test_redis_refusing_writes_for_a_while_never_stops_a_worker(
+    stack: Cluster, redis_server
+) -> None:
+    """maxmemory reached mid-job (every write refused with OOM for 4 s): the
+    worker waits and carries on; the job ends whole once Redis takes writes."""
+    c = stack
+    reference = _reference(c)
+    c.start_worker("w", env=SLOW)
+    wait_until(lambda: c.workers_alive() == 1, timeout=60)
+    resp = submit_stream(c.base_url, LONG)
+    job_id = resp.headers["X-Job-Id"]
+    thread, seen = reading_in_background(c.base_url, resp, per_connection=1000)
+    wait_until(lambda: job(c.base_url, job_id)["tokens"] >= 50, timeout=60)
+    r = redis.Redis.from_url(redis_server.url)
+    old = r.config_get("maxmemory")["maxmemory"]
+    assert r.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+    r.config_set("maxmemory", 1)  # below what Redis holds: every write is refused
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            r.set(f"{job_id}-probe", 1)
+        time.sleep(4)
+        assert c.procs["w"].poll() is None, "the worker exited while Redis refused writes"
+    finally:
+        r.config_set("maxmemory", old)
+    thread.join(timeout=120)
+    assert seen and seen[-1][1] == "[DONE]"
+    assert [i for i, _ in seen] == list(range(1, len(seen) + 1))
+    assert completion_text(seen) == reference
+    assert job(c.base_url, job_id)["state"] == "finished"
+    assert c.procs["w"].poll() is None
