@@ -42,6 +42,14 @@ __all__ = [
     "TransitionRefused",
 ]
 
+#: Queue entries a claim or a preemption check reads at a time; they read on
+#: past the jobs they may not take (another model's, parked jobs left to their
+#: holder), up to the whole queue (PARKQ_MAX_QUEUE, else SCAN_LIMIT).
+QUEUE_PAGE = 64
+SCAN_LIMIT = 100_000
+#: A preemption check's answer: the best job that may run interrupts no one.
+NO_ONE = "no one"
+
 #: What a cancelled job's stream ends with.
 CANCEL_EVENTS = [error_event("The job was cancelled.", "cancelled", "job_cancelled"), DONE]
 
@@ -189,6 +197,8 @@ class Store:
         self.result_ttl = settings.result_ttl
         self.telemetry = Telemetry(client, self.keys)
         self.workers = WorkerRegistry(client, self.keys, model)
+        #: The most queue entries a claim or a preemption check reads.
+        self._scan_limit = settings.max_queue + QUEUE_PAGE if settings.max_queue else SCAN_LIMIT
         self._scripts = {
             name: client.register_script(lua_script(name))
             for name in (
@@ -403,17 +413,49 @@ class Store:
         anyone else would free an engine that could not take it. Such a job is
         passed over for the next waiting one, which anyone may take.
         """
-        head = self.r.zrange(self.keys.queue, 0, 15, withscores=True)
+        head = self.r.zrange(self.keys.queue, 0, QUEUE_PAGE - 1, withscores=True)
         if not head:
             return None
         runners, idle, tokens, procs = self.runners(now)
+        alive = {as_text(w) for w in self.r.zrangebyscore(self.keys.workers, now, "+inf")}
+        mine = self.model.digest.encode() if self.model else None
+        first = 0
+        while head and first < self._scan_limit:
+            victim = self._victim(head, runners, idle, procs, alive, mine, now)
+            if victim is NO_ONE:
+                return None
+            if isinstance(victim, Runner):
+                token = tokens[runners.index(victim)]
+                if self._run("flag", [self.keys.worker(victim.worker)], [victim.job_id, token]):
+                    return victim.worker
+                return None
+            first += len(head)
+            head = self.r.zrange(self.keys.queue, first, first + QUEUE_PAGE - 1, withscores=True)
+        return None
+
+    def _victim(
+        self,
+        head: list[tuple[bytes, float]],
+        runners: list[Runner],
+        idle: int,
+        procs: list[str],
+        alive: set[str],
+        mine: bytes | None,
+        now: float,
+    ) -> Runner | str | None:
+        """:meth:`maybe_preempt` over one page of the queue: the runner the first
+        job this deployment may run should interrupt; NO_ONE when that job
+        interrupts no one; None when no job of the page decides."""
         with self.r.pipeline(transaction=False) as p:
-            p.zrangebyscore(self.keys.workers, now, "+inf")
             for raw_id, _ in head:
-                p.hmget(self.keys.job(as_text(raw_id)), "state", "ckpt_worker", "parked_at")
-            alive_raw, *records = p.execute()
-        alive = {as_text(w) for w in alive_raw}
-        for (_, score), (state, holder, parked_at) in zip(head, records, strict=True):
+                p.hmget(self.keys.job(as_text(raw_id)), "state", "ckpt_worker", "parked_at",
+                        "model_digest")  # fmt: skip
+            records = p.execute()
+        for (_, score), (state, holder, parked_at, digest) in zip(head, records, strict=True):
+            if state not in (b"queued", b"parked"):
+                continue  # a stale entry: the job ended or runs
+            if mine is not None and digest is not None and digest != mine:
+                continue  # another model's: none of these runners can take it
             bound = (
                 state == b"parked"
                 and holder is not None
@@ -428,14 +470,9 @@ class Store:
                 victim = choose_victim(self.preempt_policy, -float(score), only, 0, now)
                 if victim is None:
                     continue
-            else:
-                victim = choose_victim(self.preempt_policy, -float(score), runners, idle, now)
-                if victim is None:
-                    return None  # the best job anyone may take interrupts no one
-            token = tokens[runners.index(victim)]
-            if self._run("flag", [self.keys.worker(victim.worker)], [victim.job_id, token]):
-                return victim.worker
-            return None
+                return victim
+            victim = choose_victim(self.preempt_policy, -float(score), runners, idle, now)
+            return NO_ONE if victim is None else victim  # the best job anyone may take decides
         return None
 
     # -- worker side ------------------------------------------------------
@@ -460,11 +497,12 @@ class Store:
                 repr(now),
                 _states(*sources(JobState.RUNNING)),
                 self.settings.affinity_seconds,
-                16,
+                QUEUE_PAGE,
                 "0" if self.settings.preempt else "1",
                 self.model.digest if self.model else "",
                 proc or worker,
                 self.model.device if self.model else "CPU",
+                self._scan_limit,
             ],
         )
         if not got:

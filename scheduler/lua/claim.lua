@@ -1,10 +1,14 @@
 -- Claim the best waiting job for a worker.
 -- KEYS: queue zset, worker hash, running zset, workers zset
 -- ARGV: job key prefix, worker name, now, claimable states (comma separated),
---       affinity seconds, how many queue entries to consider, '1' if the
+--       affinity seconds, how many queue entries to read at a time, '1' if the
 --       worker never parks (then no one asks it to), the digest of the
 --       worker's model ('' for any), the name of the worker's process (its
---       sequences share the process's checkpoints), the worker's device
+--       sequences share the process's checkpoints), the worker's device, the
+--       most queue entries to look at in all
+-- The queue is read in pages until a job fits: jobs this worker may not take
+-- (another model's, parked jobs left to their holder) never hide the ones
+-- behind them.
 -- The first claim stamps the job with the device that computes it; a claim on
 -- another device counts a move (the same weights round otherwise there, so the
 -- rest is not what an uninterrupted run would have said) and names the device
@@ -18,47 +22,56 @@
 local claimable = state_set(ARGV[4])
 local now = tonumber(ARGV[3])
 local affinity = tonumber(ARGV[5])
-local top = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[6]) - 1)
-for _, id in ipairs(top) do
-  local job = ARGV[1] .. id
-  local state = redis.call('HGET', job, 'state')
-  if not state or not claimable[state] then
-    redis.call('ZREM', KEYS[1], id)  -- stale entry: the job ended meanwhile
-  else
-    local mine = true
-    local wants = redis.call('HGET', job, 'model_digest')
-    if ARGV[8] ~= '' and wants and wants ~= ARGV[8] then
-      mine = false
-    elseif state == S.parked then
-      local holder = redis.call('HGET', job, 'ckpt_worker')
-      local parked_at = tonumber(redis.call('HGET', job, 'parked_at') or '0')
-      if holder and holder ~= ARGV[9] and now - parked_at < affinity then
-        local alive = tonumber(redis.call('ZSCORE', KEYS[4], holder) or '0')
-        if alive > now then mine = false end
+local page = tonumber(ARGV[6])
+local limit = tonumber(ARGV[11])
+local first = 0
+while first < limit do
+  local top = redis.call('ZRANGE', KEYS[1], first, first + page - 1)
+  if #top == 0 then break end
+  local removed = 0
+  for _, id in ipairs(top) do
+    local job = ARGV[1] .. id
+    local state = redis.call('HGET', job, 'state')
+    if not state or not claimable[state] then
+      redis.call('ZREM', KEYS[1], id)  -- stale entry: the job ended meanwhile
+      removed = removed + 1
+    else
+      local mine = true
+      local wants = redis.call('HGET', job, 'model_digest')
+      if ARGV[8] ~= '' and wants and wants ~= ARGV[8] then
+        mine = false
+      elseif state == S.parked then
+        local holder = redis.call('HGET', job, 'ckpt_worker')
+        local parked_at = tonumber(redis.call('HGET', job, 'parked_at') or '0')
+        if holder and holder ~= ARGV[9] and now - parked_at < affinity then
+          local alive = tonumber(redis.call('ZSCORE', KEYS[4], holder) or '0')
+          if alive > now then mine = false end
+        end
       end
-    end
-    if mine then
-      redis.call('ZREM', KEYS[1], id)
-      local exec = redis.call('HINCRBY', job, 'exec', 1)
-      move(job, S.running)
-      redis.call('HSET', job, 'worker', ARGV[2], 'resumed_at', ARGV[3])
-      redis.call('HSETNX', job, 'started_at', ARGV[3])
-      local key = -tonumber(redis.call('HGET', job, 'score'))
-      redis.call('HSET', KEYS[2], 'job', id, 'exec', exec, 'since', ARGV[3], 'key', key,
-                 'pinned', ARGV[7])
-      redis.call('HDEL', KEYS[2], 'preempt')
-      redis.call('ZADD', KEYS[3], key, ARGV[2])
-      local was = redis.call('HGET', job, 'device')
-      local moved = ''
-      if not was then
-        redis.call('HSET', job, 'device', ARGV[10])
-      elseif was ~= ARGV[10] then
-        moved = was
-        redis.call('HSET', job, 'device', ARGV[10])
-        redis.call('HINCRBY', job, 'device_moves', 1)
+      if mine then
+        redis.call('ZREM', KEYS[1], id)
+        local exec = redis.call('HINCRBY', job, 'exec', 1)
+        move(job, S.running)
+        redis.call('HSET', job, 'worker', ARGV[2], 'resumed_at', ARGV[3])
+        redis.call('HSETNX', job, 'started_at', ARGV[3])
+        local key = -tonumber(redis.call('HGET', job, 'score'))
+        redis.call('HSET', KEYS[2], 'job', id, 'exec', exec, 'since', ARGV[3], 'key', key,
+                   'pinned', ARGV[7])
+        redis.call('HDEL', KEYS[2], 'preempt')
+        redis.call('ZADD', KEYS[3], key, ARGV[2])
+        local was = redis.call('HGET', job, 'device')
+        local moved = ''
+        if not was then
+          redis.call('HSET', job, 'device', ARGV[10])
+        elseif was ~= ARGV[10] then
+          moved = was
+          redis.call('HSET', job, 'device', ARGV[10])
+          redis.call('HINCRBY', job, 'device_moves', 1)
+        end
+        return {id, tostring(exec), moved}
       end
-      return {id, tostring(exec), moved}
     end
   end
+  first = first + #top - removed
 end
 return false

@@ -16,7 +16,10 @@ import pytest
 import redis
 import requests
 
+from jobs.identity import ModelIdentity
+from jobs.store import Store
 from scheduler.keys import Keys
+from scheduler.settings import load_settings
 from tests.integration.helpers import (
     completion_text,
     job,
@@ -155,3 +158,24 @@ def test_redis_refusing_writes_for_a_while_never_stops_a_worker(
     assert completion_text(seen) == reference
     assert job(c.base_url, job_id)["state"] == "finished"
     assert c.procs["w"].poll() is None
+
+
+def test_twenty_jobs_of_another_model_ahead_never_hide_this_models_job(
+    stack: Cluster, redis_server
+) -> None:
+    """Another deployment's model shares the queue; its 20 jobs wait ahead (more
+    than a claim used to read: 16). This model's worker takes its own job."""
+    c = stack
+    settings = load_settings(key_prefix=c.env["PARKQ_KEY_PREFIX"],
+                             queue_name=c.env["PARKQ_QUEUE_NAME"])  # fmt: skip
+    other = Store(redis.Redis.from_url(redis_server.url), settings,
+                  ModelIdentity("other", "e" * 64, 4096, 100, "f" * 64))  # fmt: skip
+    for i in range(20):
+        assert other.enqueue(f"other-{i}", "completion", {"prompt": "x"}, 10, time.time())
+    c.start_worker("w")
+    wait_until(lambda: c.workers_alive() == 1, timeout=60)
+    resp = submit_stream(c.base_url, {**LONG, "max_tokens": 30})
+    seen = read_events(resp)
+    assert seen[-1][1] == "[DONE]"
+    assert job(c.base_url, resp.headers["X-Job-Id"])["state"] == "finished"
+    assert all(other.get(f"other-{i}")["state"] == "queued" for i in range(20))  # type: ignore[index]

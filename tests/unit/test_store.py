@@ -125,6 +125,8 @@ def test_preemption_considers_only_workers_serving_the_jobs_model(
     # not run the waiting job: parking it would only cost it work.
     assert web_a.maybe_preempt(500.0) is None
     web_b = Store(fake_redis, settings, _model("b", "b"))
+    # Jobs only model a can run never park wb, whoever asks.
+    assert web_b.maybe_preempt(500.0) is None
     _enqueue(web_b, "urgent-b", 10, 500.0)
     assert web_b.maybe_preempt(500.0) == "wb"
 
@@ -181,3 +183,32 @@ def test_the_steps_of_several_jobs_go_in_one_round_trip_and_a_stale_one_is_fence
     assert store.telemetry.histogram("inter_token_ms")["count"] == 1
     store.steps(calls)
     assert store.events_after("c", 0) == [(1, "c1"), (2, "c2")]
+
+
+def test_a_claim_reads_past_any_number_of_jobs_it_may_not_take(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    web_a = Store(fake_redis, settings, _model("a", "a"))
+    for i in range(150):  # more than two pages of another model's jobs, all better
+        _enqueue(web_a, f"for-a-{i}", 10, 1.0 + i)
+    web_b = Store(fake_redis, settings, _model("b", "b"))
+    _enqueue(web_b, "for-b", 0, 500.0)
+    claim = Store(fake_redis, settings, _model("b", "b")).claim("wb", 600.0)
+    assert claim is not None and claim.job_id == "for-b"
+
+
+def test_preemption_reads_past_jobs_no_runner_may_take(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    worker_b = Store(fake_redis, settings, _model("b", "b"))
+    worker_b.workers.heartbeat("wb", now=1.0, ttl=1000)
+    _enqueue(worker_b, "long-b", 0, 1.0)
+    assert worker_b.claim("wb", 2.0) is not None
+    web_a = Store(fake_redis, settings, _model("a", "a"))
+    for i in range(100):
+        _enqueue(web_a, f"urgent-a-{i}", 10, 300.0 + i)
+    web_b = Store(fake_redis, settings, _model("b", "b"))
+    # Jobs only model a can run never park wb, whoever asks.
+    assert web_b.maybe_preempt(500.0) is None
+    _enqueue(web_b, "urgent-b", 10, 500.0)
+    assert web_b.maybe_preempt(500.0) == "wb"
