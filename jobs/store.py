@@ -449,9 +449,9 @@ class Store:
         with self.r.pipeline(transaction=False) as p:
             for raw_id, _ in head:
                 p.hmget(self.keys.job(as_text(raw_id)), "state", "ckpt_worker", "parked_at",
-                        "model_digest")  # fmt: skip
+                        "model_digest", "run_seconds")  # fmt: skip
             records = p.execute()
-        for (_, score), (state, holder, parked_at, digest) in zip(head, records, strict=True):
+        for (_, score), (state, holder, parked_at, digest, ran) in zip(head, records, strict=True):
             if state not in (b"queued", b"parked"):
                 continue  # a stale entry: the job ended or runs
             if mine is not None and digest is not None and digest != mine:
@@ -460,7 +460,8 @@ class Store:
                 state == b"parked"
                 and holder is not None
                 and as_text(holder) in alive
-                and now - float(parked_at or 0) < self.settings.affinity_seconds
+                and now - float(parked_at or 0)
+                < max(self.settings.affinity_seconds, float(ran or 0))
             )
             if bound:
                 held_by = as_text(holder)

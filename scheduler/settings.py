@@ -211,7 +211,8 @@ class Settings(BaseSettings):
         2.0,
         ge=0,
         description="A parked job waits this long for the worker holding its checkpoint "
-        "before any idle worker may take it (re-prefill).",
+        "before any idle worker may take it (re-prefill), or as long as it has run if that "
+        "is longer (what a replay elsewhere would cost).",
     )
     checkpoint_bytes: int = Field(
         2 << 30, ge=0, description="RAM budget of a worker's KV checkpoints (LRU beyond it)."

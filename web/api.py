@@ -23,7 +23,7 @@ from web.errors import (
     TooManyRequests,
 )
 from web.intake import chat_job, check_model, completion_job, priority, read_body
-from web.responses import aggregate, stream, usage_of
+from web.responses import ClientGone, aggregate, stream, usage_of
 from web.runtime import Fleet, current
 from web.schemas import (
     ChatRequest,
@@ -108,7 +108,11 @@ def _run(prefix: str, req: _Common, level: int, gen: GenerationRequest) -> Any:
     jobs = [response_id] if req.n == 1 else [choice_id(response_id, i) for i in range(req.n)]
     if req.stream:
         return stream(response_id, jobs, [0] * len(jobs))
-    return jsonify(aggregate(response_id, jobs, gen))
+    try:
+        return jsonify(aggregate(response_id, jobs, gen))
+    except ClientGone:
+        # Nobody is left to read an answer (499: the client closed the request).
+        return Response(status=499)
 
 
 # -- routes -------------------------------------------------------------------

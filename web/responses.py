@@ -16,7 +16,7 @@ from web import sse
 from web.errors import APIError, Conflict
 from web.runtime import current
 
-__all__ = ["aggregate", "assemble", "stream", "usage_of"]
+__all__ = ["ClientGone", "aggregate", "assemble", "stream", "usage_of"]
 
 
 def stream(response_id: str, jobs: list[str], after: list[int]) -> Response:
@@ -99,11 +99,19 @@ def usage_of(records: list[dict[str, str]]) -> dict[str, int] | None:
     }
 
 
-def _collect(job_id: str) -> list[dict[str, Any]]:
+class ClientGone(Exception):
+    """The client of a non-streamed request left before its answer was whole."""
+
+
+def _collect(job_id: str, gone: Callable[[], bool]) -> list[dict[str, Any]]:
     runtime = current()
     chunks: list[dict[str, Any]] = []
-    for item in sse.events(runtime.store, job_id, 0, runtime.settings.keepalive_seconds):
-        if item is None or item[1] == DONE:
+    done = False
+    for item in sse.events(runtime.store, job_id, 0, runtime.settings.keepalive_seconds, gone):
+        if item is None:
+            continue
+        if item[1] == DONE:
+            done = True
             continue
         chunk = json.loads(item[1])
         if "error" in chunk:
@@ -113,17 +121,44 @@ def _collect(job_id: str) -> list[dict[str, Any]]:
                 exc = APIError(err["message"], code=err["code"])
             raise exc
         chunks.append(chunk)
+    if not done:
+        raise ClientGone(job_id)
     return chunks
 
 
 def aggregate(response_id: str, jobs: list[str], gen: GenerationRequest) -> dict[str, Any]:
     """The whole response: every choice's chunks assembled (an error in one
-    ends the others and is the answer)."""
+    ends the others and is the answer).
+
+    The request reads every choice as a stream reader does, for as long as it
+    waits; a client that leaves is noticed (:class:`ClientGone`) and its jobs
+    are detached, so interactive ones are abandoned after the grace period as a
+    streamed request's are."""
+    store = current().store
+    sock = request.environ.get("gunicorn.socket")
+
+    def gone() -> bool:
+        return sse.client_gone(sock)
+
+    now = time.time()
+    for job_id in jobs:
+        store.reader(job_id, +1, now)
+    try:
+        return _aggregate(response_id, jobs, gen, gone)
+    finally:
+        now = time.time()
+        for job_id in jobs:
+            store.reader(job_id, -1, now)
+
+
+def _aggregate(
+    response_id: str, jobs: list[str], gen: GenerationRequest, gone: Callable[[], bool]
+) -> dict[str, Any]:
     store = current().store
     choices: list[dict[str, Any]] = []
     for i, job_id in enumerate(jobs):
         try:
-            chunks = _collect(job_id)
+            chunks = _collect(job_id, gone)
         except APIError:
             store.cancel_live(jobs, time.time())
             raise

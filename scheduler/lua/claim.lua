@@ -16,7 +16,9 @@
 -- A job stamped with another model's digest is left for a worker serving that
 -- model: its token ids mean nothing to this one.
 -- A parked job whose checkpoint lives in another live worker process is left to
--- that process for `affinity seconds` after it was parked; then anyone may take it.
+-- that process for `affinity seconds` after it was parked, or as long as the job
+-- has run if that is longer (another worker would replay it token by token, which
+-- costs about that); then anyone may take it.
 -- Returns {id, execution token, the device it moved from or ''} or false when
 -- nothing fits.
 local claimable = state_set(ARGV[4])
@@ -43,7 +45,8 @@ while first < limit do
       elseif state == S.parked then
         local holder = redis.call('HGET', job, 'ckpt_worker')
         local parked_at = tonumber(redis.call('HGET', job, 'parked_at') or '0')
-        if holder and holder ~= ARGV[9] and now - parked_at < affinity then
+        local ran = tonumber(redis.call('HGET', job, 'run_seconds') or '0')
+        if holder and holder ~= ARGV[9] and now - parked_at < math.max(affinity, ran) then
           local alive = tonumber(redis.call('ZSCORE', KEYS[4], holder) or '0')
           if alive > now then mine = false end
         end

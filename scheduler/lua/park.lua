@@ -18,6 +18,9 @@ end
 local id = redis.call('HGET', KEYS[1], 'id')
 move(KEYS[1], S.parking)  -- (a no-op when the step already marked it)
 move(KEYS[1], S.parked)
+-- How long it has run: what a replay elsewhere (token by token) would cost.
+local resumed = tonumber(redis.call('HGET', KEYS[1], 'resumed_at') or ARGV[2])
+redis.call('HINCRBYFLOAT', KEYS[1], 'run_seconds', math.max(0, tonumber(ARGV[2]) - resumed))
 redis.call('HSET', KEYS[1], 'checkpoint', ARGV[3],
            'ckpt_worker', ARGV[7], 'ckpt_exec', ARGV[1], 'parked_at', ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'preemptions', 1)

@@ -45,6 +45,33 @@ def test_an_abandoned_interactive_stream_frees_the_engine_after_the_grace(slow: 
     print(f"\ndisconnect: engine freed {freed:.2f} s after the client left (grace 1 s)")
 
 
+def test_a_non_streamed_request_whose_client_left_is_abandoned_after_the_grace(
+    slow: Cluster,
+) -> None:
+    """The client gives up after 1 s (its timeout closes the connection): the web
+    notices, and the worker frees the engine after the grace period, as for a
+    stream; a job nobody waits for no longer runs to its end."""
+    server = slow
+    body = {**LONG, "priority": "interactive"}
+    with pytest.raises(requests.Timeout):
+        requests.post(f"{server.base_url}/v1/completions", json=body, timeout=(5, 1))
+    job_id = _newest_job(server)
+    wait_until(lambda: job(server.base_url, job_id)["state"] == "cancelled", timeout=30)
+    status = job(server.base_url, job_id)
+    assert status["finish_reason"] == "client_gone" and status["tokens"] < 3000
+
+
+def _newest_job(c: Cluster) -> str:
+    """The id of the job most recently created in ``c``'s deployment."""
+    r = redis.Redis.from_url(c.env["PARKQ_REDIS_URL"])
+    prefix = f"{{{c.env['PARKQ_KEY_PREFIX']}}}:job:".encode()
+    newest = max(
+        (float(r.hget(key, "created_at") or 0), key[len(prefix) :].decode())
+        for key in r.scan_iter(match=prefix + b"*")
+    )
+    return newest[1]
+
+
 def test_a_reconnect_within_the_grace_continues_losslessly(server: Server) -> None:
     resp = submit_stream(server.base_url, {**LONG, "priority": "interactive", "max_tokens": 800})
     job_id = resp.headers["X-Job-Id"]

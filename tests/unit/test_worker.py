@@ -166,6 +166,21 @@ def test_a_parked_job_waits_for_its_checkpoint_holder_then_anyone_may_take_it(
     assert (store.get("j") or {})["state"] == "running"  # the parked job, resumed elsewhere
 
 
+def test_a_parked_job_that_ran_long_waits_for_its_holder_as_long_as_a_replay_would_take(
+    store: Store, settings: Settings
+) -> None:
+    store.enqueue("j", "completion", {}, 0, 1.0)
+    store.workers.heartbeat("holder", now=10.0, ttl=1000)
+    store.workers.heartbeat("other", now=10.0, ttl=1000)
+    claim = store.claim("holder", 10.0)
+    assert claim is not None
+    store.park("j", claim.exec_token, "holder", "{}", 40.0)  # it ran 30 s
+    assert store.claim("other", 40.0 + settings.affinity_seconds + 1) is None
+    assert store.claim("other", 69.0) is None  # a replay would take about as long
+    again = store.claim("other", 70.5)
+    assert again is not None and again.job_id == "j"
+
+
 def test_the_holder_takes_its_parked_job_back_at_once(store: Store) -> None:
     store.enqueue("j", "completion", {}, 0, 1.0)
     store.workers.heartbeat("holder", now=10.0, ttl=100)
