@@ -608,9 +608,11 @@ class LlamaEngine(Vocab):
         At each checkpoint (:meth:`_probe_checkpoints`: short, then across every
         multiple of 256 cells, then the context's end) every probe sequence is
         filled with its text to about that length, runs PROBE_STEPS steps alone,
-        and then with others in each size still certified, in two arrangements
-        (the lowest sequence ids and the highest, parked ones' included). The first
-        checkpoint spreads the lengths (a short sequence beside a long one). A size
+        and then with others in each size still certified, in two arrangements:
+        the lowest sequence ids, of about the same length, and the highest
+        (parked ones' included), which hold the one sequence that stays short
+        (a short sequence beside long ones: a call takes its KV length from the
+        longest). The first checkpoint spreads the lengths. A size
         that differs anywhere is not certified, nor any larger one (``every_size``:
         the larger ones are still checked, for the report). Some kernels change
         with the cells' length (CUDA at 512), others only now and then (a rounding
@@ -628,12 +630,23 @@ class LlamaEngine(Vocab):
         failed: dict[int, Mismatch] = {}
         horizon = 0
         points = self._probe_checkpoints()
+        if not points:  # a context too short to check: one sequence per call
+            return ProbeVerdict(1, 0, self.n_ctx, {}, 0.0)
+        short = ids[-1] if len(ids) > 1 else None
         for n, point in enumerate(points):
             if n and clock() - t0 > seconds:
                 break
             for i, s in enumerate(ids):
-                # The first checkpoint spreads the lengths; the others keep them together.
-                want = min(point + 16 * i, points[-1]) if n == 0 else point - i % 2
+                # The first checkpoint spreads the lengths; the others keep them
+                # together, but for the highest id, which stays short: a call
+                # takes its KV length from its longest sequence, so a short one
+                # beside long ones is a case of its own.
+                if n == 0:
+                    want = min(point + 16 * i, points[-1])
+                elif s == short:
+                    want = points[0] + n % PROBE_STEPS
+                else:
+                    want = point - i % 2
                 self._probe_fill(s, length[s], want)
                 length[s] = want
             alone = {s: self._probe_alone(s, length[s]) for s in ids}

@@ -75,6 +75,8 @@ TRANSIENT: tuple[type[Exception], ...] = (
     redis.exceptions.MasterDownError,
     redis.exceptions.TryAgainError,
 )
+#: What a server answers once it is no longer the primary.
+MOVED_PRIMARY = (redis.exceptions.ReadOnlyError, redis.exceptions.MasterDownError)
 #: Fenced writes (steps, parks, finishes) through a Redis restart: back-off
 #: from 0.2 s to 2 s, about a minute in all.
 WRITE_RETRY = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=32, supported_errors=TRANSIENT)
@@ -476,7 +478,7 @@ class Executions:
         try:
             outcome = self._retrying(
                 lambda: self.store.park(
-                    job_id, claim.exec_token, job.slot, state, time.time(), self.name
+                    job_id, claim.exec_token, job.slot, state, time.time(), self.name, with_kv
                 )
             )
         except Fenced:
@@ -511,8 +513,14 @@ class Executions:
         """A write that survives a Redis restart: retried for about a minute
         (redis-py's ``Retry``). Steps and finishes are safe to repeat (events
         are numbered, writes fenced)."""
-        result: T = WRITE_RETRY.call_with_retry(call, lambda exc: None)
+        result: T = WRITE_RETRY.call_with_retry(call, self._redis_failed)
         return result
+
+    def _redis_failed(self, exc: Exception) -> None:
+        """A server that refuses writes as a replica (its primary moved, as after a
+        failover): drop the pooled connections, so the next try connects anew."""
+        if isinstance(exc, MOVED_PRIMARY):
+            self.store.r.connection_pool.disconnect()
 
     def _abandoned(self, level: int, detached_at: float) -> bool:
         """An interactive job whose readers left longer ago than the grace period."""

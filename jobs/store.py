@@ -44,9 +44,13 @@ __all__ = [
 
 #: Queue entries a claim or a preemption check reads at a time; they read on
 #: past the jobs they may not take (another model's, parked jobs left to their
-#: holder), up to the whole queue (PARKQ_MAX_QUEUE, else SCAN_LIMIT).
+#: holder): a claim up to SCAN_LIMIT entries (the whole queue when
+#: PARKQ_MAX_QUEUE is smaller), in one script.
 QUEUE_PAGE = 64
-SCAN_LIMIT = 100_000
+SCAN_LIMIT = 4096
+#: Pages a preemption check reads (it runs at every enqueue and, while a better
+#: job waits, every 100 ms per running job).
+PREEMPT_PAGES = 4
 #: A preemption check's answer: the best job that may run interrupts no one.
 NO_ONE = "no one"
 
@@ -198,7 +202,8 @@ class Store:
         self.telemetry = Telemetry(client, self.keys)
         self.workers = WorkerRegistry(client, self.keys, model)
         #: The most queue entries a claim or a preemption check reads.
-        self._scan_limit = settings.max_queue + QUEUE_PAGE if settings.max_queue else SCAN_LIMIT
+        self._scan_limit = min(settings.max_queue + QUEUE_PAGE, SCAN_LIMIT) if (
+            settings.max_queue) else SCAN_LIMIT  # fmt: skip
         self._scripts = {
             name: client.register_script(lua_script(name))
             for name in (
@@ -420,7 +425,7 @@ class Store:
         alive = {as_text(w) for w in self.r.zrangebyscore(self.keys.workers, now, "+inf")}
         mine = self.model.digest.encode() if self.model else None
         first = 0
-        while head and first < self._scan_limit:
+        while head and first < QUEUE_PAGE * PREEMPT_PAGES:
             victim = self._victim(head, runners, idle, procs, alive, mine, now)
             if victim is NO_ONE:
                 return None
@@ -621,9 +626,11 @@ class Store:
         checkpoint: str,
         now: float,
         holder: str | None = None,
+        keeps_kv: bool = True,
     ) -> Parked:
         """Requeue a running job with its checkpoint (or end it, cancelled meanwhile).
-        ``holder``: the process whose memory keeps the job's KV (default ``worker``)."""
+        ``holder``: the process whose memory keeps the job's KV (default ``worker``;
+        none when ``keeps_kv`` is false)."""
         k = self.keys
         result = self._run(
             "park",
@@ -635,7 +642,7 @@ class Store:
                 worker,
                 k.channel(job_id),
                 self.result_ttl,
-                holder or worker,
+                (holder or worker) if keeps_kv else "",
                 *CANCEL_EVENTS,
             ],
         )
@@ -643,16 +650,23 @@ class Store:
             raise Fenced(job_id)
         return Parked(as_text(result))
 
-    def reap(self, now: float, me: str = "") -> list[Reaped]:
+    def reap(
+        self,
+        now: float,
+        me: str = "",
+        only: list[str] | None = None,
+        crash: bool = True,
+        failure: str | None = None,
+    ) -> list[Reaped]:
         """Requeue the jobs of workers whose heartbeat expired (never ``me``: a worker
-        that can reap is alive, even if it stalled past its TTL)."""
+        that can reap is alive, even if it stalled past its TTL); with ``only``,
+        just those (marked expired by a live worker handing their jobs back).
+        ``crash``: count it against the job's PARKQ_CRASH_LIMIT; ``failure``: the
+        error a job that reached the limit ends with."""
         k = self.keys
-        payloads = [
-            error_event(
-                "The job failed: its worker died too many times.", "server_error", "worker_lost"
-            ),
-            DONE,
-        ]
+        message = failure or "The job failed: its worker died too many times."
+        code = "job_error" if failure else "worker_lost"
+        payloads = [error_event(message, "server_error", code), DONE]
         flat = self._run(
             "reap",
             [k.workers, k.queue, k.running, k.wake],
@@ -665,6 +679,8 @@ class Store:
                 self.settings.crash_limit,
                 self.result_ttl,
                 me,
+                "\n".join(only or []),
+                "1" if crash else "0",
                 *payloads,
             ],
         )

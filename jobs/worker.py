@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
@@ -59,6 +60,17 @@ LOOP_BACKOFF = ExponentialBackoff(cap=5.0, base=0.1)
 
 #: How often an idle worker looks for workers whose connections are gone.
 CONN_CHECK_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class Returning:
+    """A sequence whose job raised, to be handed back to the queue."""
+
+    slot: Slot
+    #: Counted against the job's PARKQ_CRASH_LIMIT (not for a Redis failure).
+    crash: bool
+    #: What the job ends with if that was its last chance.
+    failure: str | None = None
 
 
 def default_worker_name() -> str:
@@ -109,7 +121,7 @@ class Worker(Executions):
         self._running: dict[int, Running] = {}
         #: Sequences whose job raised and is not yet handed back to the queue
         #: (Redis was unavailable): no claim takes them until it is.
-        self._returning: dict[int, Slot] = {}
+        self._returning: dict[int, Returning] = {}
         #: Measured: one decode call of n sequences (ms), one prefill chunk (ms).
         self._decode_ms: dict[int, float] = {}
         self._prefill_ms: float | None = None
@@ -177,6 +189,7 @@ class Worker(Executions):
                     # Redis restarting, or refusing writes for a while (maxmemory):
                     # wait and carry on (its AOF keeps the jobs).
                     self._redis_lost_at = time.time()
+                    self._redis_failed(exc)
                     failures += 1
                     backoff = LOOP_BACKOFF.compute(failures)
                     log.warning("worker %s: Redis unavailable (%s); retry in %.1f s",
@@ -193,11 +206,11 @@ class Worker(Executions):
         heartbeats age out and the next reaper requeues them."""
         held = {*self._running, *self._returning}
         try:
-            for slot in self.slots:
-                if slot.index in held:
-                    self.store.workers.retire(slot.name)
-            if held:
-                self._reap(time.time(), previous_life=True)
+            names = [slot.name for slot in self.slots if slot.index in held]
+            for name in names:
+                self.store.workers.retire(name)
+            if names:
+                self._reap(time.time(), only=names)
             for slot in self.slots:
                 self.store.workers.remove(slot.name)
             self.rq.unregister_worker()
@@ -393,26 +406,33 @@ class Worker(Executions):
         or by replay, here or elsewhere; after PARKQ_CRASH_LIMIT such ends it fails
         with an error event and its [DONE])."""
         if isinstance(exc, TRANSIENT):
+            # Not the job's fault: requeued without counting against its crash limit.
             log.warning("job %s: Redis failed under it (%s); it goes back to the queue",
                         r.job_id, exc)  # fmt: skip
+            back = Returning(r.slot, crash=False)
         else:
             log.error("job %s: %s: %s; it goes back to the queue", r.job_id,
                       type(exc).__name__, exc, exc_info=exc)  # fmt: skip
-        self._returning[r.slot.index] = r.slot
+            back = Returning(r.slot, crash=True,
+                             failure=f"The job failed: {type(exc).__name__}: {exc}")  # fmt: skip
+        self._returning[r.slot.index] = back
         with contextlib.suppress(*TRANSIENT):  # else the loop tries again once Redis answers
             self._return_jobs()
 
     def _return_jobs(self) -> None:
-        """Requeue the jobs of the sequences in ``_returning`` (marked dead and
-        reaped, crash counted and fenced, as any dead worker's), then announce
-        those sequences alive again, free."""
+        """Requeue the jobs of the sequences in ``_returning`` (each marked dead and
+        reaped alone, fenced as any dead worker's; this worker's other sequences
+        are left alone even when their heartbeats have aged out in an outage),
+        then announce those sequences alive again, free. A step that fails on
+        Redis leaves the rest for the next try (a repeat finds nothing to reap)."""
         if not self._returning:
             return
-        for slot in self._returning.values():
-            self.store.workers.retire(slot.name)
-        self._reap(time.time(), previous_life=True)
+        now = time.time()
+        for back in list(self._returning.values()):
+            self.store.workers.retire(back.slot.name)
+            self._reap(now, only=[back.slot.name], crash=back.crash, failure=back.failure)
+        self._beat(time.time())  # registered again before any claim can take them
         self._returning.clear()
-        self.beat()
 
     def beat(self, force: bool = True) -> None:
         """Heartbeat; requeue dead workers' jobs; free checkpoints of ended jobs."""
@@ -477,11 +497,20 @@ class Worker(Executions):
         if self._running:  # the clock counts stepping time (see jobs/stepclock.py)
             CLOCK.add("redis", time.perf_counter() - t0)
 
-    def _reap(self, now: float, previous_life: bool = False) -> None:
+    def _reap(
+        self,
+        now: float,
+        previous_life: bool = False,
+        only: list[str] | None = None,
+        crash: bool = True,
+        failure: str | None = None,
+    ) -> None:
         """Requeue (or fail) the jobs of workers whose liveness expired; this worker's
-        own name only for its previous life (at start), never while it runs."""
-        for reaped in self.store.reap(now, "" if previous_life else self.name):
-            if reaped.proc in ("", reaped.worker):  # a process's own name is RQ's worker
+        own name only for its previous life (at start), never while it runs;
+        ``only``: just these of its own sequences, which it hands back."""
+        me = "" if previous_life else self.name
+        for reaped in self.store.reap(now, me, only, crash, failure):
+            if not only and reaped.proc in ("", reaped.worker):  # RQ's worker: the process
                 self.rq.forget_worker(reaped.worker)
             if not reaped.job_id:
                 continue

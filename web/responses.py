@@ -140,15 +140,15 @@ def aggregate(response_id: str, jobs: list[str], gen: GenerationRequest) -> dict
     def gone() -> bool:
         return sse.client_gone(sock)
 
-    now = time.time()
-    for job_id in jobs:
-        store.reader(job_id, +1, now)
+    attached: list[str] = []
     try:
+        for job_id in jobs:
+            store.reader(job_id, +1, time.time())
+            attached.append(job_id)
         return _aggregate(response_id, jobs, gen, gone)
     finally:
-        now = time.time()
-        for job_id in jobs:
-            store.reader(job_id, -1, now)
+        for job_id in attached:
+            store.reader(job_id, -1, time.time())
 
 
 def _aggregate(

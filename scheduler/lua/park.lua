@@ -3,7 +3,8 @@
 -- A cancel that arrived while it was parking wins: the job ends cancelled.
 -- KEYS: job hash, queue zset, worker hash, running zset, wake list, events stream
 -- ARGV: execution token, now, checkpoint (JSON), worker name, channel, ttl,
---       the checkpoint's holder (the worker's process), cancel payloads...
+--       the checkpoint's holder (the worker's process; '' when it keeps no
+--       KV: the job resumes by replay anywhere), cancel payloads...
 -- Returns -1 when the execution token is stale, else 'parked' or 'cancelled'.
 if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
   return -1
@@ -16,13 +17,19 @@ if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then
   return S.cancelled
 end
 local id = redis.call('HGET', KEYS[1], 'id')
+if redis.call('HGET', KEYS[1], 'state') ~= S.parked then  -- (not a repeat of this park)
+  -- How long it has run: what a replay elsewhere (token by token) would cost.
+  local resumed = tonumber(redis.call('HGET', KEYS[1], 'resumed_at') or ARGV[2])
+  redis.call('HINCRBYFLOAT', KEYS[1], 'run_seconds', math.max(0, tonumber(ARGV[2]) - resumed))
+end
 move(KEYS[1], S.parking)  -- (a no-op when the step already marked it)
 move(KEYS[1], S.parked)
--- How long it has run: what a replay elsewhere (token by token) would cost.
-local resumed = tonumber(redis.call('HGET', KEYS[1], 'resumed_at') or ARGV[2])
-redis.call('HINCRBYFLOAT', KEYS[1], 'run_seconds', math.max(0, tonumber(ARGV[2]) - resumed))
-redis.call('HSET', KEYS[1], 'checkpoint', ARGV[3],
-           'ckpt_worker', ARGV[7], 'ckpt_exec', ARGV[1], 'parked_at', ARGV[2])
+redis.call('HSET', KEYS[1], 'checkpoint', ARGV[3], 'ckpt_exec', ARGV[1], 'parked_at', ARGV[2])
+if ARGV[7] ~= '' then
+  redis.call('HSET', KEYS[1], 'ckpt_worker', ARGV[7])
+else
+  redis.call('HDEL', KEYS[1], 'ckpt_worker')  -- no KV kept: nobody to wait for
+end
 redis.call('HINCRBY', KEYS[1], 'preemptions', 1)
 redis.call('ZADD', KEYS[2], redis.call('HGET', KEYS[1], 'score'), id)
 redis.call('LPUSH', KEYS[5], id)

@@ -2,7 +2,9 @@
 -- KEYS: workers zset, queue zset, running zset, wake list
 -- ARGV: now, job key prefix, worker key prefix, events key prefix, channel
 --       prefix, crash limit, ttl, the reaping worker process's name ('' for none;
---       none of its sequences is reaped),
+--       none of its sequences is reaped), the workers to reap (newline-separated,
+--       marked expired by the caller, its own included; '' for every expired
+--       one), '1' to count a crash of their jobs ('0': requeue without counting),
 --       failure payloads...
 -- A job whose worker died while running it goes back to the queue with its
 -- original score; it resumes from its last checkpoint (or from the start),
@@ -12,9 +14,14 @@
 -- the worker's process.
 local out = {}
 local dead = {}
+local only = {}
+local targeted = ARGV[9] ~= ''
+for name in string.gmatch(ARGV[9], '[^\n]+') do only[name] = true end
 for _, w in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1])) do
   local proc = redis.call('HGET', ARGV[3] .. w, 'proc') or w
-  if w ~= ARGV[8] and proc ~= ARGV[8] then  -- the reaper is alive, if late (a stall)
+  if targeted then
+    if only[w] then table.insert(dead, w) end
+  elseif w ~= ARGV[8] and proc ~= ARGV[8] then  -- the reaper is alive, if late (a stall)
     table.insert(dead, w)
   end
 end
@@ -28,10 +35,11 @@ for _, w in ipairs(dead) do
     local job = ARGV[2] .. id
     local state = redis.call('HGET', job, 'state')
     if redis.call('HGET', job, 'exec') == exec and (state == S.running or state == S.parking) then
-      local crashes = redis.call('HINCRBY', job, 'crashes', 1)
+      local crashes = tonumber(redis.call('HGET', job, 'crashes') or '0')
+      if ARGV[10] == '1' then crashes = redis.call('HINCRBY', job, 'crashes', 1) end
       if crashes >= tonumber(ARGV[6]) then
         local events = ARGV[4] .. id
-        emit_after(job, events, ARGV[5] .. id, 9)
+        emit_after(job, events, ARGV[5] .. id, 11)
         redis.call('HSET', job, 'error', 'the job lost its worker ' .. crashes .. ' times')
         end_job(job, events, S.failed, ARGV[1], ARGV[7])
         outcome = 'failed'

@@ -191,7 +191,7 @@ def test_the_probe_refuses_a_size_that_differs_anywhere_in_the_context(
     plant cannot widen anything.)"""
     engine = _probe_engine(q8_model, 1024)
     own = engine.probe_invariance(4, every_size=True)
-    engine._decode = batch_variant(engine._decode, size, position)  # type: ignore[method-assign]
+    engine._decode = batch_variant(engine._decode, size, position)  # type: ignore[method-assign, assignment]
     verdict = engine.probe_invariance(4, every_size=True)
     assert verdict.size == min(own.size, size - 1)
     assert verdict.complete and verdict.horizon >= 1010

@@ -122,7 +122,8 @@ def test_a_job_whose_record_cannot_be_read_fails_and_the_worker_goes_on(
     seen = read_events(resp)
     assert seen[-1][1] == "[DONE]"
     error = json.loads(seen[-2][1])["error"]
-    assert error["type"] == "server_error" and "worker" in error["message"]
+    assert error["type"] == "server_error" and error["code"] == "job_error"
+    assert error["message"].startswith("The job failed: JSONDecodeError")
     assert job(c.base_url, job_id)["state"] == "failed"
     assert c.procs["w"].poll() is None
     assert read_events(submit_stream(c.base_url, {**LONG, "max_tokens": 20}))[-1][1] == "[DONE]"

@@ -212,3 +212,22 @@ def test_preemption_reads_past_jobs_no_runner_may_take(
     assert web_b.maybe_preempt(500.0) is None
     _enqueue(web_b, "urgent-b", 10, 500.0)
     assert web_b.maybe_preempt(500.0) == "wb"
+
+
+def test_a_hand_back_requeues_only_the_named_sequence_and_counts_no_redis_crash(
+    store: Store,
+) -> None:
+    """A worker hands one sequence's job back after a Redis outage longer than its
+    TTL: its other sequence's job, whose heartbeat aged out too, keeps running."""
+    _enqueue(store, "a", 0, 1.0)
+    _enqueue(store, "b", 0, 1.5)
+    store.workers.heartbeat("w", now=1.0, ttl=3, proc="w")
+    store.workers.heartbeat("w/1", now=1.0, ttl=3, proc="w")
+    first, second = store.claim("w", 2.0, "w"), store.claim("w/1", 2.0, "w")
+    assert first is not None and second is not None
+    store.workers.retire("w/1")
+    reaped = store.reap(100.0, "w", only=["w/1"], crash=False)
+    assert [(r.worker, r.job_id) for r in reaped] == [("w/1", second.job_id)]
+    assert (store.get(first.job_id) or {})["state"] == "running"
+    back = store.get(second.job_id) or {}
+    assert back["state"] == "queued" and back.get("crashes", "0") == "0"
