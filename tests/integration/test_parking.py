@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import requests
 
 from jobs.stepclock import PARTS
 from scheduler.keys import Keys
-from tests.integration.conftest import Server
+from tests.integration.conftest import TEST_ENV, Server, start_parkq, stop_parkq
 from tests.integration.helpers import (
     completion_text,
     job,
@@ -87,9 +88,25 @@ def _interrupt(server: Server, job_id: str, times: int) -> list[float]:
     return ttfts
 
 
+@pytest.fixture(scope="module")
+def unaged(redis_server: Any, tiny_model: Path) -> Iterator[Server]:
+    """A stack where a running job parks at the next step for a better one (no
+    minimum run time) and waiting jobs gain a priority level a minute (the
+    suite's: every 0.5 s). With the suite's settings ten interruptions of one
+    2,500-token job were not always ten parks: each resumed run first kept the
+    engine 50 ms (a few hundred tokens here), so the job could end before the
+    tenth; and a slow machine ages it past interactive requests after 5 s."""
+    env = {**TEST_ENV, "PARKQ_MIN_RUN_SECONDS": "0", "PARKQ_PRIORITY_LEVEL_SECONDS": "60",
+           "PARKQ_KEY_PREFIX": "unaged", "PARKQ_QUEUE_NAME": "unaged"}  # fmt: skip
+    proc, base = start_parkq(tiny_model, redis_server.url, env=env)
+    yield Server(base, redis_server.url, proc)
+    stop_parkq(proc)
+
+
 @pytest.mark.parametrize("sampling", SAMPLING)
 @pytest.mark.parametrize("parks", [1, 3, 10])
-def test_parked_job_is_token_identical(server: Server, parks: int, sampling: str) -> None:
+def test_parked_job_is_token_identical(unaged: Server, parks: int, sampling: str) -> None:
+    server = unaged
     body = _long(**SAMPLING[sampling])
     reference = _reference(server, body)
     resp = submit_stream(server.base_url, body)
