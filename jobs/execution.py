@@ -43,6 +43,7 @@ from jobs.sequences import Sequences
 from jobs.store import (
     CANCEL_EVENTS,
     Claim,
+    Diverged,
     Fenced,
     Parked,
     Step,
@@ -385,6 +386,9 @@ class Executions:
             log.warning("job %s: execution %s was superseded; dropping it", job_id,
                         job.claim.exec_token)  # fmt: skip
             return None
+        except Diverged as exc:
+            self._diverged(job, exc)
+            return None
         except (EngineError, ValueError) as exc:
             log.exception("job %s: engine error", job_id)
             self._fail(job.slot, job.claim, f"engine error: {exc}", "engine_error")
@@ -559,6 +563,9 @@ class Executions:
                 "job %s: execution %s was superseded; dropping it", job_id, claim.exec_token
             )
             return
+        except Diverged as exc:
+            self._diverged(job, exc)
+            return
         except TransitionRefused as exc:
             log.error("%s; left as it is", exc)
             return
@@ -571,6 +578,17 @@ class Executions:
             fields["finish_reason"],
             len(gen.generated),
         )
+
+    def _diverged(self, job: Job, exc: Diverged) -> None:
+        """A replay that computed other events than the stream holds: the job ends
+        with an error after what its clients already have, never spliced."""
+        log.error("job %s: %s; the job fails (device %s)", job.job_id, exc,
+                  self.store.model.device if self.store.model else "CPU")  # fmt: skip
+        self._metric(lambda: self.telemetry.count("replay_divergences"))
+        self._fail(job.slot, job.claim,
+                   f"The job's replay computed other tokens than its first run (from event "
+                   f"{exc.seq} on: another kernel path, thread count or device), so its stream "
+                   "cannot continue exactly.", "replay_diverged")  # fmt: skip
 
     def _fail(self, slot: str, claim: Claim, message: str, code: str) -> None:
         payloads = [error_event(message, "server_error", code), DONE]

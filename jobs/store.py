@@ -29,6 +29,7 @@ __all__ = [
     "CANCEL_EVENTS",
     "Cancelled",
     "Claim",
+    "Diverged",
     "Ending",
     "Fenced",
     "JobEnded",
@@ -96,6 +97,17 @@ class QueueFull(Exception):
 
 class Fenced(Exception):
     """This execution no longer owns the job; it must stop writing."""
+
+
+class Diverged(Exception):
+    """A replay computed an event other than the one the job's stream holds under
+    that number (another kernel path, thread count or device): it was not
+    written, and the job cannot continue its stream exactly."""
+
+    def __init__(self, job_id: str, seq: int) -> None:
+        super().__init__(f"job {job_id}: replayed event {seq} differs from the stored one")
+        self.job_id = job_id
+        self.seq = seq
 
 
 @dataclass(frozen=True)
@@ -534,13 +546,14 @@ class Store:
         """
         call = StepCall(job_id, exec_token, worker, tokens, first_seq, payloads, latency_ms)
         got = self._step_result(call, self._run("step", *self._step_args(call)))
-        if isinstance(got, Fenced):
+        if isinstance(got, Fenced | Diverged):
             raise got
         return got
 
-    def steps(self, calls: list[StepCall]) -> list[Step | Fenced]:
+    def steps(self, calls: list[StepCall]) -> list[Step | Fenced | Diverged]:
         """:meth:`step` for several jobs in one round trip (a pipeline): each
-        job's :class:`Step`, or :class:`Fenced` where its execution is stale.
+        job's :class:`Step`, or :class:`Fenced` where its execution is stale,
+        or :class:`Diverged` where its replay computed other events.
         Safe to repeat, like one step (events are numbered, writes fenced)."""
         script = self._scripts["step"]
 
@@ -570,9 +583,11 @@ class Store:
         return keys, args
 
     @staticmethod
-    def _step_result(call: StepCall, got: Any) -> Step | Fenced:
+    def _step_result(call: StepCall, got: Any) -> Step | Fenced | Diverged:
         if got == -1:
             return Fenced(call.job_id)
+        if int(got[0]) == -3:
+            return Diverged(call.job_id, int(got[1]))
         flags, head, detached = got
         return Step(
             int(flags),
@@ -594,28 +609,28 @@ class Store:
         """Move a job to a terminal state with its last events."""
         k = self.keys
         flat = [x for kv in fields.items() for x in kv]
-        result = int(
-            self._run(
-                "finish",
-                [k.job(job_id), k.events(job_id), k.worker(worker), k.running, k.counters],
-                [
-                    exec_token,
-                    k.channel(job_id),
-                    state.value,
-                    _states(*sources(state)),
-                    repr(now),
-                    self.result_ttl,
-                    worker,
-                    first_seq,
-                    len(fields),
-                    *flat,
-                    *payloads,
-                ],
-            )
+        got = self._run(
+            "finish",
+            [k.job(job_id), k.events(job_id), k.worker(worker), k.running, k.counters],
+            [
+                exec_token,
+                k.channel(job_id),
+                state.value,
+                _states(*sources(state)),
+                repr(now),
+                self.result_ttl,
+                worker,
+                first_seq,
+                len(fields),
+                *flat,
+                *payloads,
+            ],
         )
-        if result == -1:
+        if isinstance(got, list):
+            raise Diverged(job_id, int(got[1]))
+        if got == -1:
             raise Fenced(job_id)
-        if result == -2:
+        if got == -2:
             raise TransitionRefused(job_id, state)
 
     def park(

@@ -40,6 +40,7 @@ from jobs.sequences import Sequences
 from jobs.stepclock import CLOCK
 from jobs.store import (
     Claim,
+    Diverged,
     Fenced,
     ReapOutcome,
     Store,
@@ -345,7 +346,7 @@ class Worker(Executions):
             finally:
                 CLOCK.add("redis", time.perf_counter() - t0)
             for r, write, result in zip(pending, writes, results, strict=True):
-                if isinstance(result, Fenced):
+                if isinstance(result, Fenced | Diverged):
                     self._deliver(r, result)
                     continue
                 try:

@@ -25,6 +25,10 @@ Run as ``python -m tests.faultworker --name NAME`` (the arguments of
 - ``PARKQ_TEST_WORKER_ERROR_AFTER_TOKENS``: the worker's loop raises a
   RuntimeError right after a step write recorded this many tokens (a bug
   outside any one job): the process exits, its cleanup reaching Redis.
+- ``PARKQ_TEST_LOGITS_DIFFER_FROM``: from this position on, every logit row
+  this process computes favours another token (as another device or kernel
+  path would round otherwise): its replay of a job another worker began
+  computes other tokens from there.
 - ``PARKQ_TEST_BATCH_VARIANT_FROM`` (``SIZE:POSITION``): a decode call of SIZE or
   more sequences gives slightly other logits at POSITION and later, as a kernel
   that changes with the batch width past some length would (CUDA's at 512 cells).
@@ -59,6 +63,7 @@ def _install() -> None:
     park_delay = _seconds("PARKQ_TEST_PARK_DELAY_SECONDS")
     claim_delay = _seconds("PARKQ_TEST_CLAIM_DELAY_SECONDS")
     variant = os.environ.get("PARKQ_TEST_BATCH_VARIANT_FROM", "")
+    differ = int(os.environ.get("PARKQ_TEST_LOGITS_DIFFER_FROM", "0") or 0)
     job_error = int(os.environ.get("PARKQ_TEST_JOB_ERROR_AFTER_TOKENS", "0") or 0)
     worker_error = int(os.environ.get("PARKQ_TEST_WORKER_ERROR_AFTER_TOKENS", "0") or 0)
 
@@ -84,6 +89,18 @@ def _install() -> None:
 
     if variant:
         plant_batch_variance(*(int(part) for part in variant.split(":")))
+    if differ:
+        original_one = LlamaEngine.eval
+
+        def other_eval(
+            self: LlamaEngine, tokens: Sequence[int], pos: int, seq: int = 0
+        ) -> np.ndarray:
+            logits = original_one(self, tokens, pos, seq)
+            if pos + len(tokens) - 1 >= differ:
+                logits[int(np.argmin(logits))] += 1e4  # another token wins
+            return logits
+
+        LlamaEngine.eval = other_eval  # type: ignore[method-assign]
     if job_error:
         from jobs.execution import Executions
 

@@ -5,7 +5,8 @@
 --       payload (0: right after the stream's last event), number of
 --       field/value pairs N, N field/value pairs, payloads.
 -- Returns -1 when the execution token is stale, -2 when the job's state does
--- not allow the transition, 1 when done.
+-- not allow the transition, {-3, n} when a replayed event n differs from the
+-- stored one (the job is left as it was), 1 when done.
 if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
   return -1
 end
@@ -13,7 +14,10 @@ if not state_set(ARGV[4])[redis.call('HGET', KEYS[1], 'state')] then
   return -2
 end
 local n = tonumber(ARGV[9])
-emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[8]), 10 + 2 * n)
+local _, diverged = emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[8]), 10 + 2 * n)
+if diverged > 0 then
+  return {-3, diverged}
+end
 local tokens_before = tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
 if n > 0 then
   redis.call('HSET', KEYS[1], unpack(ARGV, 10, 9 + 2 * n))

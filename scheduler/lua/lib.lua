@@ -22,7 +22,11 @@ end
 
 -- Write ARGV[from..] numbered from `first` (0: right after the last event),
 -- skipping the ones the stream already has: a generation replayed after a
--- crash re-creates events its client already received.
+-- crash re-creates events its client already received. Each one skipped is
+-- compared with the stored one: a replay that computed another event (another
+-- kernel path, thread count or device rounds otherwise) is never spliced into
+-- the stream; nothing from that event on is written, and its number is
+-- returned as the second value (0: none differed).
 local function emit_numbered(job, events, channel, first, from)
   local have = tonumber(redis.call('HGET', job, 'seq'))
   local seq = first
@@ -33,11 +37,17 @@ local function emit_numbered(job, events, channel, first, from)
       emit(events, channel, seq, ARGV[i])
       have = seq
       written = written + 1
+    else
+      local stored = redis.call('XRANGE', events, seq .. '-0', seq .. '-0')
+      if stored[1] and stored[1][2][2] ~= ARGV[i] then
+        redis.call('HSET', job, 'seq', have)
+        return written, seq
+      end
     end
     seq = seq + 1
   end
   redis.call('HSET', job, 'seq', have)
-  return written
+  return written, 0
 end
 
 -- Add `n` observations of `value` ms each to a latency histogram.

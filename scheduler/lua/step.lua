@@ -8,13 +8,17 @@
 --       the first payload, latency bucket ('' for none), latency (ms),
 --       payload, payload, ...
 -- Returns -1 when the execution token is stale (another execution owns the
--- job: nothing is written), else {flags, queue head score or false, time the
+-- job: nothing is written), {-3, n} when a replayed event n differs from the
+-- stored one (nothing from it on is written), else {flags, queue head score or false, time the
 -- job's last reader left or false}, flags a bit set: 1 cancel requested,
 -- 2 preempt (the job is then marked parking).
 if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
   return -1
 end
-local written = emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[4]), 7)
+local written, diverged = emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[4]), 7)
+if diverged > 0 then
+  return {-3, diverged}
+end
 local new_tokens = tonumber(ARGV[3]) - tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
 if new_tokens > 0 then
   redis.call('HINCRBY', KEYS[5], 'tokens', new_tokens)

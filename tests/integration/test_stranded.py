@@ -180,3 +180,27 @@ def test_twenty_jobs_of_another_model_ahead_never_hide_this_models_job(
     assert seen[-1][1] == "[DONE]"
     assert job(c.base_url, resp.headers["X-Job-Id"])["state"] == "finished"
     assert all(other.get(f"other-{i}")["state"] == "queued" for i in range(20))  # type: ignore[index]
+
+
+def test_a_replay_that_computes_other_tokens_is_never_spliced(stack: Cluster) -> None:
+    """The first worker dies after 100 tokens; the one that replays the job
+    computes other logits from position 30 on (planted: as another device or
+    kernel path rounds otherwise). The client keeps what it had, then gets an
+    error and [DONE]: never the continuation of a text it did not see."""
+    c = stack
+    reference = _reference(c)
+    c.start_worker("first", env={**SLOW, "PARKQ_TEST_DIE_AFTER_TOKENS": "100"})
+    resp = submit_stream(c.base_url, LONG)
+    job_id = resp.headers["X-Job-Id"]
+    thread, seen = reading_in_background(c.base_url, resp, per_connection=1000)
+    c.procs["first"].wait(timeout=60)
+    c.start_worker("other", env={"PARKQ_TEST_LOGITS_DIFFER_FROM": "30"})
+    thread.join(timeout=120)
+    assert seen and seen[-1][1] == "[DONE]"
+    assert [i for i, _ in seen] == list(range(1, len(seen) + 1))
+    error = json.loads(seen[-2][1])["error"]
+    assert error["code"] == "replay_diverged"
+    kept = completion_text(seen[:-2])
+    assert len(seen) - 2 >= 100 and reference.startswith(kept)
+    assert job(c.base_url, job_id)["state"] == "failed"
+    assert c.procs["other"].poll() is None

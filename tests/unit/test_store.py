@@ -3,7 +3,7 @@ import pytest
 
 from jobs.events import DONE
 from jobs.identity import ModelIdentity
-from jobs.store import Fenced, JobEnded, Step, StepCall, Store
+from jobs.store import Diverged, Fenced, JobEnded, Step, StepCall, Store
 from scheduler.settings import Settings
 from scheduler.state import JobState
 
@@ -231,3 +231,24 @@ def test_a_hand_back_requeues_only_the_named_sequence_and_counts_no_redis_crash(
     assert (store.get(first.job_id) or {})["state"] == "running"
     back = store.get(second.job_id) or {}
     assert back["state"] == "queued" and back.get("crashes", "0") == "0"
+
+
+def test_a_replayed_event_that_differs_is_never_spliced(store: Store) -> None:
+    _enqueue(store, "a", 0, 1.0)
+    store.workers.heartbeat("w", now=1.0, ttl=100)
+    claim = store.claim("w", 2.0)
+    assert claim is not None
+    store.step("a", claim.exec_token, "w", 3, 1, ["one", "two", "three"])
+    # A replay (another execution) re-creates the same first two events: skipped.
+    store.workers.retire("w")
+    store.reap(10.0)
+    again = store.claim("w2", 11.0)
+    assert again is not None
+    store.step("a", again.exec_token, "w2", 2, 1, ["one", "two"])
+    # Its third differs from the stored one: refused, nothing from it on written.
+    with pytest.raises(Diverged) as caught:
+        store.step("a", again.exec_token, "w2", 4, 3, ["THREE", "four"])
+    assert caught.value.seq == 3
+    assert [d for _, d in store.events_after("a", 0)] == ["one", "two", "three"]
+    with pytest.raises(Diverged):
+        store.finish("a", again.exec_token, "w2", JobState.FINISHED, {}, 3, ["THREE", DONE], 12.0)
