@@ -285,12 +285,16 @@ class BatchStore:
         return [as_text(x) for x in self.r.smembers(self.keys.batch_live(batch_id))]
 
     def release_results(self, items: list[Item]) -> None:
-        """The batch's output is written: its jobs' results now expire like any job's."""
-        with self.r.pipeline(transaction=False) as p:
-            for item in items:
-                p.expire(self.keys.job(item.job), self.store.result_ttl)
-                p.expire(self.keys.events(item.job), self.store.result_ttl)
-            p.execute()
+        """The batch's output is written: its jobs' records now expire like any job's,
+        and their per-token events after the replay window (the output file holds
+        their results)."""
+        events_ttl = min(self.settings.replay_seconds, self.store.result_ttl)
+        for start in range(0, len(items), 1000):
+            with self.r.pipeline(transaction=False) as p:
+                for item in items[start : start + 1000]:
+                    p.expire(self.keys.job(item.job), self.store.result_ttl)
+                    p.expire(self.keys.events(item.job), events_ttl)
+                p.execute()
 
     def lock(self, batch_id: str, seconds: int = 300) -> bool:
         return bool(self.r.set(self.keys.batch_lock(batch_id), "1", nx=True, ex=seconds))

@@ -73,6 +73,8 @@ class Ending:
     done: bool
     error: str | None
     code: str
+    #: Its per-token events have expired (past PARKQ_REPLAY_SECONDS).
+    expired: bool = False
 
     def closing_events(self) -> list[str]:
         """What a stream that ended without its ``[DONE]`` is closed with: the
@@ -357,9 +359,9 @@ class Store:
         A record that has vanished reads as a failed job whose stream will not
         get its ``[DONE]``."""
         with self.r.pipeline(transaction=False) as p:
-            p.hmget(self.keys.job(job_id), ["state", "error"])
+            p.hmget(self.keys.job(job_id), ["state", "error", "seq"])
             p.xrevrange(self.keys.events(job_id), max="+", min="-", count=1)
-            (state, error), last = p.execute()
+            (state, error, written), last = p.execute()
         if state is not None and JobState(as_text(state)) not in TERMINAL:
             return None
         seq, done = 0, False
@@ -370,6 +372,11 @@ class Store:
         if state is None:
             return Ending(JobState.FAILED, seq, done, "The job's record is gone.", "job_lost")
         message = as_text(error) if error is not None else None
+        if not last and written is not None and int(written) > 0:
+            # Its events expired after the replay window: it wrote `written`, the last
+            # its [DONE]; its result is what is left (GET /v1/jobs/<id>/result).
+            return Ending(JobState(as_text(state)), int(written), True, message, "job_failed",
+                          expired=True)  # fmt: skip
         return Ending(JobState(as_text(state)), seq, done, message, "job_failed")
 
     def events_after(

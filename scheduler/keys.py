@@ -87,6 +87,18 @@ class Keys:
         return f"{self.base}:preemptions"
 
     @property
+    def ended(self) -> str:
+        """Sorted set of ended jobs (not a batch's) by end time, until `parkq web`'s
+        janitor compacts them (their result kept, their events left to expire after
+        PARKQ_REPLAY_SECONDS). Bound: drained every PARKQ_JANITOR_SECONDS."""
+        return f"{self.base}:ended"
+
+    @property
+    def janitor_lock(self) -> str:
+        """String held by the `parkq web` process whose janitor is sweeping. Bound: expires."""
+        return f"{self.base}:janitor"
+
+    @property
     def counters(self) -> str:
         """Hash of monotonic counters (tokens, preemptions, jobs by final state)."""
         return f"{self.base}:counters"

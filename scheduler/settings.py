@@ -187,7 +187,19 @@ class Settings(BaseSettings):
         "batch, so a large batch neither fills the queue nor ages ahead of interactive work.",
     )
     result_ttl: int = Field(
-        86400, ge=1, description="Seconds a finished job and its events are kept."
+        86400, ge=1, description="Seconds a finished job's record and result are kept."
+    )
+    replay_seconds: int = Field(
+        600,
+        ge=1,
+        description="Seconds a finished job's per-token events stay replayable (a reconnect "
+        "with Last-Event-ID); then only its result is kept (GET /v1/jobs/<id>/result).",
+    )
+    janitor_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="How often `parkq web` compacts ended jobs and finalizes batches whose "
+        "lines have all ended (without anyone reading them).",
     )
 
     # Scheduling policy

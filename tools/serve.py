@@ -50,8 +50,11 @@ class _Gunicorn(BaseApplication):  # type: ignore[misc]
 
     def load(self) -> Any:
         from web.app import create_app
+        from web.janitor import start_janitor
 
-        return create_app(self.settings)
+        app = create_app(self.settings)
+        start_janitor(app)  # in the serving process (gunicorn loads the app after its fork)
+        return app
 
 
 def serve(settings: Settings) -> None:

@@ -17,13 +17,15 @@ from jobs.prompts import chat_ids
 from jobs.store import Cancelled, JobEnded, QueueFull
 from scheduler.state import TERMINAL, JobState
 from web.errors import (
+    APIError,
     BadRequest,
     Conflict,
+    Gone,
     NotFound,
     TooManyRequests,
 )
 from web.intake import chat_job, check_model, completion_job, priority, read_body
-from web.responses import ClientGone, aggregate, stream, usage_of
+from web.responses import ClientGone, aggregate, assemble, result_of, stream, usage_of
 from web.runtime import Fleet, current
 from web.schemas import (
     ChatRequest,
@@ -318,7 +320,40 @@ def job_events(job_id: str) -> Any:
         # The client has every event up to the [DONE]: nothing to send. 204 also
         # tells a browser's EventSource to stop reconnecting.
         return Response(status=204)
+    pairs = list(zip(ends, after, strict=True))
+    if any(e is not None and e.expired and a < e.final_seq for e, a in pairs):
+        seconds = current().settings.replay_seconds
+        raise Gone(
+            f"The events of job '{job_id}' after that id have expired (they are kept "
+            f"{seconds} s after the job ends); GET /v1/jobs/{job_id}/result has its result."
+        )
     return stream(job_id, jobs, after)
+
+
+@bp.get("/v1/jobs/<job_id>/result")
+def job_result(job_id: str) -> Any:
+    """An ended job's whole response, as a non-streamed request would have had it
+    (for a request with ``n`` > 1, every choice); kept PARKQ_RESULT_TTL."""
+    jobs = _jobs(job_id)
+    store = current().store
+    records = [store.get(j) or {} for j in jobs]
+    for record in records:
+        state = JobState(record.get("state", JobState.FAILED.value))
+        if state not in TERMINAL:
+            raise Conflict(f"Job '{job_id}' has not ended yet ({state.value}).", code="job_running")
+        if state is JobState.CANCELLED:
+            raise Conflict(f"Job '{job_id}' was cancelled.", code="job_cancelled")
+        if state is JobState.FAILED:
+            raise APIError(record.get("error") or "The job failed.", code="job_failed")
+    choices: list[dict[str, Any]] = []
+    for i, (j, record) in enumerate(zip(jobs, records, strict=True)):
+        body = result_of(store, j, record)
+        if body is None:
+            raise Gone(f"The result of job '{job_id}' has expired.")
+        choices.extend({**c, "index": i} for c in body["choices"])
+    gen = GenerationRequest.from_json(json.loads(records[0]["request"]))
+    base = assemble(job_id, gen, [], None)
+    return jsonify({**base, "choices": choices, "usage": usage_of(records)})
 
 
 @bp.delete("/v1/jobs/<job_id>")

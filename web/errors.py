@@ -68,6 +68,12 @@ class Conflict(APIError):
     code = "conflict"
 
 
+class Gone(APIError):
+    status = 410
+    type = "invalid_request_error"
+    code = "expired"
+
+
 class PayloadTooLarge(APIError):
     status = 413
     type = "invalid_request_error"

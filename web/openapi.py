@@ -71,6 +71,8 @@ ERRORS = {
     "400": "Invalid request (the message names the field)",
     "401": "Missing or invalid API key (when keys are set)",
     "404": "No such object",
+    "409": "Not possible in the object's state (the message says why)",
+    "410": "Expired (the message says what is left and where)",
     "413": "Body over the size limit",
     "503": "The live workers serve another model than this server's (code model_mismatch)",
 }
@@ -273,7 +275,16 @@ def _job_paths() -> dict[str, Any]:
                 "responses": _responses(
                     {"description": "SSE", "content": {"text/event-stream": {"schema": SSE_EVENT}}},
                     "404",
+                    "410",
+                    **{"204": {"description": "The client has every event: nothing to send"}},
                 ),
+            }
+        },
+        "/v1/jobs/{job_id}/result": {
+            "get": {
+                "summary": "An ended job's whole response (kept after its events expire)",
+                "parameters": [_id("job_id")],
+                "responses": _responses(_json(COMPLETION), "404", "409", "410", "500"),
             }
         },
     }

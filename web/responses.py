@@ -12,11 +12,12 @@ from flask import Response, request, stream_with_context
 
 from jobs.events import DONE
 from jobs.generation import GenerationRequest
+from jobs.store import Store
 from web import sse
 from web.errors import APIError, Conflict
 from web.runtime import current
 
-__all__ = ["ClientGone", "aggregate", "assemble", "stream", "usage_of"]
+__all__ = ["ClientGone", "aggregate", "assemble", "result_of", "stream", "usage_of"]
 
 
 def stream(response_id: str, jobs: list[str], after: list[int]) -> Response:
@@ -124,6 +125,22 @@ def _collect(job_id: str, gone: Callable[[], bool]) -> list[dict[str, Any]]:
     if not done:
         raise ClientGone(job_id)
     return chunks
+
+
+def result_of(store: Store, job_id: str, record: dict[str, str]) -> dict[str, Any] | None:
+    """A finished job's non-streamed response body (its one choice at index 0),
+    from its record's kept result or its events; None when both are gone."""
+    if record.get("result"):
+        body: dict[str, Any] = json.loads(record["result"])
+        return body
+    events = store.events_after(job_id, 0)
+    if not events:
+        return None
+    gen = GenerationRequest.from_json(json.loads(record["request"]))
+    chunks = [json.loads(data) for _, data in events if data != DONE]
+    chunks = [c for c in chunks if "error" not in c]
+    usage = json.loads(record.get("usage") or "null")
+    return assemble(job_id, gen, chunks, usage)
 
 
 def aggregate(response_id: str, jobs: list[str], gen: GenerationRequest) -> dict[str, Any]:

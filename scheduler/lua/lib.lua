@@ -61,12 +61,20 @@ end
 -- A job of a batch keeps its result until the batch's output file is written
 -- (BatchStore.release_results then gives it the result TTL): a batch may take
 -- longer than the TTL.
+-- A job not of a batch is also listed for the janitor of `parkq web`
+-- (Keys.ended, beside the job's key), which keeps its result and lets its
+-- per-token events go after the replay window.
 local function end_job(job, events, state, now, ttl)
   redis.call('HSET', job, 'state', state, 'finished_at', now)
   redis.call('HDEL', job, 'cancel', 'checkpoint')
   if redis.call('HEXISTS', job, 'batch') == 0 then
     redis.call('EXPIRE', job, ttl)
     redis.call('EXPIRE', events, ttl)
+    local base = string.match(job, '^(.-):job:')
+    local id = redis.call('HGET', job, 'id')
+    if base and id then
+      redis.call('ZADD', base .. ':ended', now, id)
+    end
   end
 end
 

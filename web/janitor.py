@@ -1,0 +1,132 @@
+"""The janitor of `parkq web`: what keeps Redis bounded when nobody reads.
+
+Every PARKQ_JANITOR_SECONDS one web process (whichever holds the Redis lock)
+sweeps:
+
+- the jobs that ended since its last sweep (Keys.ended): a finished job's
+  result, the non-streamed response body (text, tool calls, logprobs,
+  finish reason), is kept in its record for PARKQ_RESULT_TTL, and its
+  per-token events expire PARKQ_REPLAY_SECONDS later (a reconnect with
+  Last-Event-ID replays them until then; GET /v1/jobs/<id>/result answers
+  after);
+- every batch still open, as a read of it would: its next lines are queued,
+  and once all have ended its output and error files are written, so a batch
+  nobody reads still releases its lines (their events go after the replay
+  window too).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from flask import Flask
+
+from jobs.batches import BatchStore
+from jobs.store import Store
+from jobs.telemetry import as_text
+from scheduler.state import TERMINAL, JobState
+from web.responses import result_of
+
+__all__ = ["Janitor", "compact_ended"]
+
+log = logging.getLogger(__name__)
+
+#: Ended jobs compacted per sweep (the rest wait for the next one).
+SWEEP = 1000
+#: Batches are looked at every this many sweeps (each look reads every line's state).
+BATCH_EVERY = 6
+#: Batch states whose lines may still run or whose files are not written yet.
+OPEN_BATCH = ("in_progress", "cancelling", "finalizing")
+
+
+@dataclass
+class Swept:
+    compacted: int = 0
+    batches: int = 0
+
+
+def compact_ended(store: Store, replay_seconds: int, limit: int = SWEEP) -> int:
+    """Keep the result of up to ``limit`` ended jobs and let their events expire
+    after ``replay_seconds``; how many were done."""
+    k = store.keys
+    done = 0
+    for raw in store.r.zrange(k.ended, 0, limit - 1):
+        job_id = as_text(raw)
+        record = store.get(job_id)
+        if record is not None and JobState(record.get("state", "queued")) in TERMINAL:
+            if record["state"] == JobState.FINISHED and not record.get("result"):
+                body = result_of(store, job_id, record)
+                if body is not None:
+                    store.r.hset(k.job(job_id), "result", json.dumps(body, separators=(",", ":")))
+            ttl = int(store.r.ttl(k.events(job_id)))
+            if ttl == -1 or ttl > replay_seconds:
+                store.r.expire(k.events(job_id), replay_seconds)
+        store.r.zrem(k.ended, job_id)
+        done += 1
+    return done
+
+
+class Janitor:
+    """The sweeping thread of one `parkq web` process."""
+
+    def __init__(self, app: Flask) -> None:
+        self.app = app
+        runtime = app.extensions["parkq"]
+        self.store: Store = runtime.store
+        self.settings = runtime.settings
+        self._sweeps = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="parkq-janitor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.settings.janitor_seconds)
+            try:
+                self.sweep()
+            except Exception:  # a Redis outage, a bug: the next sweep tries again
+                log.exception("the janitor's sweep failed")
+
+    def sweep(self) -> Swept | None:
+        """One sweep, if no other process is sweeping; what it did."""
+        lock_ms = max(1000, int(self.settings.janitor_seconds * 1000))
+        if not self.store.r.set(self.store.keys.janitor_lock, os.getpid(), nx=True, px=lock_ms):
+            return None
+        swept = Swept(compact_ended(self.store, self.settings.replay_seconds))
+        self._sweeps += 1
+        if self._sweeps % BATCH_EVERY == 1:
+            swept.batches = self._batches()
+        return swept
+
+    def _batches(self) -> int:
+        """Bring every open batch up to date as a read would; how many were open."""
+        from web.batches import _batch_object
+
+        batches = BatchStore(self.store)
+        seen = 0
+        with self.app.app_context():
+            for raw in self.store.r.zrange(self.store.keys.batches, 0, -1):
+                batch_id = as_text(raw)
+                status = self.store.r.hget(self.store.keys.batch(batch_id), "status")
+                if status is None or as_text(status) not in OPEN_BATCH:
+                    continue
+                seen += 1
+                try:
+                    _batch_object(batches, batch_id)
+                except Exception:
+                    log.exception("batch %s: the janitor could not bring it up to date", batch_id)
+        return seen
+
+
+def start_janitor(app: Flask) -> Any:
+    janitor = Janitor(app)
+    janitor.start()
+    return janitor
