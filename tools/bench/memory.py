@@ -12,7 +12,8 @@ stream to its end, and every --batch-every seconds a Batch API batch of
 at the start, every --every seconds and at the end. The load runs until
 --tokens tokens have been generated; the measuring goes on one replay window
 and a minute more (a window of at most 2 minutes), so the last figure comes
-after the window has passed for everything generated. Writes JSON (figures, the command, the machine).
+after the window has passed for everything generated. Writes JSON (figures,
+the command, the machine).
 
 ``--replay 86400`` is what parkq kept before the janitor (every event for a
 day): the comparison arm.
