@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = str(write_test_model(f"/tmp/parkq-memory-tiny-{time.time_ns()}.gguf", seed=0))
         chat_format = None
     settings = load_settings(model=model, chat_format=chat_format, port=0, log_level="WARNING",
-                             replay_seconds=args.replay)  # fmt: skip
+                             replay_seconds=args.replay, result_ttl=args.result_ttl)  # fmt: skip
     stack = Stack(settings)
     stack.start()
     samples: list[dict[str, Any]] = []
@@ -137,7 +137,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sample("load end")
         # One replay window and a minute (at most 3 minutes: the comparison arm's
         # day-long window is not waited out).
-        settle = min(args.replay, 120) + 60 + 2 * load_settings().janitor_seconds
+        window = max(args.replay, args.result_ttl or 0)
+        settle = min(window, 120) + 60 + 2 * load_settings().janitor_seconds
         end = time.monotonic() + settle
         while time.monotonic() < end:
             time.sleep(min(args.every, max(0.1, end - time.monotonic())))
@@ -156,6 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{len(os.sched_getaffinity(0))} CPUs",
         "model": model,
         "replay_seconds": args.replay,
+        "result_ttl": args.result_ttl or load_settings().result_ttl,
         "clients": args.clients,
         "batch_lines": args.batch_lines,
         "batch_every_s": args.batch_every,
@@ -175,6 +177,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the tiny generated test model")
     ap.add_argument("--tokens", type=int, default=200_000, help="tokens to generate")
     ap.add_argument("--replay", type=int, default=60, help="PARKQ_REPLAY_SECONDS")
+    ap.add_argument("--result-ttl", type=int, default=None,
+                    help="PARKQ_RESULT_TTL (default: parkq's, a day)")  # fmt: skip
     ap.add_argument("--clients", type=int, default=8, help="streaming clients")
     ap.add_argument("--batch-lines", type=int, default=20, help="lines per batch")
     ap.add_argument("--batch-every", type=float, default=10.0, help="seconds between batches")
