@@ -593,16 +593,12 @@ class Executions:
     def _fail(self, slot: str, claim: Claim, message: str, code: str) -> None:
         payloads = [error_event(message, "server_error", code), DONE]
         try:
-            self.store.finish(
-                claim.job_id,
-                claim.exec_token,
-                slot,
-                JobState.FAILED,
-                {"error": message},
-                0,
-                payloads,
-                time.time(),
-            )
+            self._retrying(
+                lambda: self.store.finish(
+                    claim.job_id, claim.exec_token, slot, JobState.FAILED, {"error": message}, 0,
+                    payloads, time.time(),
+                )
+            )  # fmt: skip
         except (Fenced, TransitionRefused):
             return
         self.telemetry.count("jobs_failed")

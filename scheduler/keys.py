@@ -90,7 +90,9 @@ class Keys:
     def ended(self) -> str:
         """Sorted set of ended jobs (not a batch's) by end time, until `parkq web`'s
         janitor compacts them (their result kept, their events left to expire after
-        PARKQ_REPLAY_SECONDS). Bound: drained every PARKQ_JANITOR_SECONDS."""
+        PARKQ_REPLAY_SECONDS). Bound: drained every PARKQ_JANITOR_SECONDS by the
+        janitor of a running `parkq web` (a deployment runs one to take requests);
+        while none runs, the ids of the jobs that end meanwhile wait here."""
         return f"{self.base}:ended"
 
     @property

@@ -88,7 +88,8 @@ class Settings(BaseSettings):
         "repacked weights beside other sequences. Off: the fastest kernels llama.cpp has "
         "here (repacked weights, flash attention, any batch width); priorities, parks and "
         "resumes all still work, but a run is no longer identical to one alone (what "
-        "other servers give).",
+        "other servers give), and a job replayed after its worker died ends with a "
+        "replay_diverged error where the replay computes other tokens.",
     )
     interactive_pace: float = Field(
         1.3,

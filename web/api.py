@@ -14,10 +14,9 @@ from jobs.batches import BatchStore
 from jobs.generation import GenerationRequest
 from jobs.identity import ModelIdentity
 from jobs.prompts import chat_ids
-from jobs.store import Cancelled, JobEnded, QueueFull
+from jobs.store import Cancelled, Ending, JobEnded, QueueFull
 from scheduler.state import TERMINAL, JobState
 from web.errors import (
-    APIError,
     BadRequest,
     Conflict,
     Gone,
@@ -96,12 +95,12 @@ def _enqueue(job_id: str, gen: GenerationRequest, level: int) -> str:
 def _jobs_of(response_id: str) -> list[str]:
     """The jobs of a response: itself, or its choices' (``n`` > 1); [] if none."""
     store = current().store
-    if store.get(response_id) is not None:
+    if store.r.exists(store.keys.job(response_id)):
         return [response_id]
-    first = store.get(choice_id(response_id, 0))
+    first = store.r.hget(store.keys.job(choice_id(response_id, 0)), "request")
     if first is None:
         return []
-    n = int(json.loads(first["request"]).get("choices", 1))
+    n = int(json.loads(first).get("choices", 1))
     return [choice_id(response_id, i) for i in range(n)]
 
 
@@ -322,12 +321,20 @@ def job_events(job_id: str) -> Any:
         return Response(status=204)
     pairs = list(zip(ends, after, strict=True))
     if any(e is not None and e.expired and a < e.final_seq for e, a in pairs):
-        seconds = current().settings.replay_seconds
-        raise Gone(
-            f"The events of job '{job_id}' after that id have expired (they are kept "
-            f"{seconds} s after the job ends); GET /v1/jobs/{job_id}/result has its result."
-        )
+        raise Gone(expired_message(job_id, ends))
     return stream(job_id, jobs, after)
+
+
+def expired_message(job_id: str, ends: list[Ending | None]) -> str:
+    """What a client that lacks events gone past the replay window is told."""
+    seconds = current().settings.replay_seconds
+    head = (f"The events of job '{job_id}' after that id have expired (they are kept "
+            f"{seconds} s after the job ends)")  # fmt: skip
+    if any(e is not None and e.state is not JobState.FINISHED for e in ends):
+        return f"{head}; it ended without a result: GET /v1/jobs/{job_id} has its state."
+    if current().store.batch_of(job_id) is not None:
+        return f"{head}; its result is in its batch's output file."
+    return f"{head}; GET /v1/jobs/{job_id}/result has its result."
 
 
 @bp.get("/v1/jobs/<job_id>/result")
@@ -338,18 +345,23 @@ def job_result(job_id: str) -> Any:
     store = current().store
     records = [store.get(j) or {} for j in jobs]
     for record in records:
-        state = JobState(record.get("state", JobState.FAILED.value))
+        if not record:
+            raise Gone(f"The result of job '{job_id}' has expired.")
+        state = JobState(record["state"])
         if state not in TERMINAL:
             raise Conflict(f"Job '{job_id}' has not ended yet ({state.value}).", code="job_running")
         if state is JobState.CANCELLED:
-            raise Conflict(f"Job '{job_id}' was cancelled.", code="job_cancelled")
+            raise Conflict(f"Job '{job_id}' was cancelled: it has no result.", code="job_cancelled")
         if state is JobState.FAILED:
-            raise APIError(record.get("error") or "The job failed.", code="job_failed")
+            reason = record.get("error") or "no reason recorded"
+            raise Conflict(f"Job '{job_id}' failed ({reason}): it has no result.",
+                           code="job_failed")  # fmt: skip
     choices: list[dict[str, Any]] = []
     for i, (j, record) in enumerate(zip(jobs, records, strict=True)):
         body = result_of(store, j, record)
         if body is None:
-            raise Gone(f"The result of job '{job_id}' has expired.")
+            where = "its batch's output file" if record.get("batch") else "nowhere now"
+            raise Gone(f"The events of job '{job_id}' have expired; its result is in {where}.")
         choices.extend({**c, "index": i} for c in body["choices"])
     gen = GenerationRequest.from_json(json.loads(records[0]["request"]))
     base = assemble(job_id, gen, [], None)

@@ -25,24 +25,35 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from flask import Flask
 
 from jobs.batches import BatchStore
 from jobs.store import Store
 from jobs.telemetry import as_text
-from scheduler.state import TERMINAL, JobState
+from scheduler.state import JobState
 from web.responses import result_of
 
 __all__ = ["Janitor", "compact_ended"]
 
 log = logging.getLogger(__name__)
 
-#: Ended jobs compacted per sweep (the rest wait for the next one).
-SWEEP = 1000
+#: Ended jobs read from the list at a time; a sweep goes on until the list is
+#: empty or SWEEP_SECONDS have passed.
+SWEEP = 500
+SWEEP_SECONDS = 2.0
+#: Sets a job's kept result only while its record exists (never a bare record
+#: that would outlive its TTL).
+_SET_RESULT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return redis.call('HSET', KEYS[1], 'result', ARGV[1])
+end
+return 0
+"""
 #: Batches are looked at every this many sweeps (each look reads every line's state).
 BATCH_EVERY = 6
 #: Batch states whose lines may still run or whose files are not written yet.
-OPEN_BATCH = ("in_progress", "cancelling", "finalizing")
+OPEN_BATCH = ("validating", "in_progress", "cancelling", "finalizing")
 
 
 @dataclass
@@ -51,25 +62,46 @@ class Swept:
     batches: int = 0
 
 
-def compact_ended(store: Store, replay_seconds: int, limit: int = SWEEP) -> int:
-    """Keep the result of up to ``limit`` ended jobs and let their events expire
-    after ``replay_seconds``; how many were done."""
+def compact_ended(store: Store, replay_seconds: int, seconds: float = SWEEP_SECONDS) -> int:
+    """Let the events of ended jobs expire after ``replay_seconds`` and keep the
+    results of the finished ones, until none is left or ``seconds`` have passed;
+    how many were done. The expiry comes first: it frees memory even while Redis
+    refuses the writes that would add some (maxmemory). A job that cannot be
+    done stays listed for the next sweep; the others go on."""
     k = store.keys
-    done = 0
-    for raw in store.r.zrange(k.ended, 0, limit - 1):
-        job_id = as_text(raw)
-        record = store.get(job_id)
-        if record is not None and JobState(record.get("state", "queued")) in TERMINAL:
-            if record["state"] == JobState.FINISHED and not record.get("result"):
-                body = result_of(store, job_id, record)
-                if body is not None:
-                    store.r.hset(k.job(job_id), "result", json.dumps(body, separators=(",", ":")))
-            ttl = int(store.r.ttl(k.events(job_id)))
-            if ttl == -1 or ttl > replay_seconds:
-                store.r.expire(k.events(job_id), replay_seconds)
-        store.r.zrem(k.ended, job_id)
-        done += 1
+    done, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        ids = [as_text(raw) for raw in store.r.zrange(k.ended, 0, SWEEP - 1)]
+        if not ids:
+            break
+        for job_id in ids:
+            try:
+                _compact(store, job_id, replay_seconds)
+            except redis.exceptions.OutOfMemoryError:
+                continue  # its events expire all the same; its result next time
+            except redis.RedisError:
+                raise
+            except Exception:
+                log.exception("job %s: could not keep its result", job_id)
+            store.r.zrem(k.ended, job_id)
+            done += 1
+        if len(ids) < SWEEP:
+            break
     return done
+
+
+def _compact(store: Store, job_id: str, replay_seconds: int) -> None:
+    k = store.keys
+    ttl = int(store.r.ttl(k.events(job_id)))
+    if ttl == -1 or ttl > replay_seconds:
+        store.r.expire(k.events(job_id), replay_seconds)
+    state, kept = store.r.hmget(k.job(job_id), ["state", "result"])
+    if state is None or kept is not None or JobState(as_text(state)) is not JobState.FINISHED:
+        return
+    record = store.get(job_id)
+    body = None if record is None else result_of(store, job_id, record)
+    if body is not None:
+        store.r.eval(_SET_RESULT, 1, k.job(job_id), json.dumps(body, separators=(",", ":")))
 
 
 class Janitor:
@@ -112,10 +144,15 @@ class Janitor:
 
         batches = BatchStore(self.store)
         seen = 0
+        ids = [as_text(raw) for raw in self.store.r.zrange(self.store.keys.batches, 0, -1)]
+        statuses: list[Any] = []
+        for start in range(0, len(ids), 1000):
+            with self.store.r.pipeline(transaction=False) as p:
+                for batch_id in ids[start : start + 1000]:
+                    p.hget(self.store.keys.batch(batch_id), "status")
+                statuses.extend(p.execute())
         with self.app.app_context():
-            for raw in self.store.r.zrange(self.store.keys.batches, 0, -1):
-                batch_id = as_text(raw)
-                status = self.store.r.hget(self.store.keys.batch(batch_id), "status")
+            for batch_id, status in zip(ids, statuses, strict=True):
                 if status is None or as_text(status) not in OPEN_BATCH:
                     continue
                 seen += 1

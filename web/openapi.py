@@ -284,7 +284,7 @@ def _job_paths() -> dict[str, Any]:
             "get": {
                 "summary": "An ended job's whole response (kept after its events expire)",
                 "parameters": [_id("job_id")],
-                "responses": _responses(_json(COMPLETION), "404", "409", "410", "500"),
+                "responses": _responses(_json(COMPLETION), "404", "409", "410"),
             }
         },
     }

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import redis
 
-from jobs.events import DONE
+from jobs.events import DONE, error_event
 from jobs.store import Store
 
 __all__ = ["KEEPALIVE", "client_gone", "events", "frame", "merged"]
@@ -116,6 +116,16 @@ def merged(
                         break
                 if i in open_ and end is not None:
                     open_.discard(i)
+                    if end.expired and last[i] < end.final_seq:
+                        # Its events expired under this reader (past the replay
+                        # window): said, never passed off as the end of its text.
+                        lost = error_event(
+                            "The job's events after this id have expired; GET "
+                            f"/v1/jobs/{job_ids[i]}/result has its result.", "server_error",
+                            "expired")  # fmt: skip
+                        yield i, end.final_seq + 1, lost
+                        yield i, end.final_seq + 2, DONE
+                        continue
                     closing = [DONE] if end.done else end.closing_events()
                     for seq, data in enumerate(closing, start=end.final_seq - len(closing) + 1):
                         if seq > last[i]:
