@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -64,6 +65,15 @@ def _reference(c: Cluster) -> str:
     return text
 
 
+def _reading(c: Cluster, worker: str, env: dict[str, str]) -> tuple[str, Any, list[Any]]:
+    """Start ``worker`` with ``env``, submit LONG and read its stream in the
+    background: the job's id, the reading thread and the events read."""
+    c.start_worker(worker, env=env)
+    resp = submit_stream(c.base_url, LONG)
+    thread, seen = reading_in_background(c.base_url, resp, per_connection=1000)
+    return resp.headers["X-Job-Id"], thread, seen
+
+
 def test_a_worker_that_exits_on_an_unplanned_error_leaves_its_job_to_the_next(
     stack: Cluster,
 ) -> None:
@@ -72,10 +82,9 @@ def test_a_worker_that_exits_on_an_unplanned_error_leaves_its_job_to_the_next(
     (which left the job `running` for good, its client on keep-alives)."""
     c = stack
     reference = _reference(c)
-    c.start_worker("buggy", env={**SLOW, "PARKQ_TEST_WORKER_ERROR_AFTER_TOKENS": "100"})
-    resp = submit_stream(c.base_url, LONG)
-    job_id = resp.headers["X-Job-Id"]
-    thread, seen = reading_in_background(c.base_url, resp, per_connection=1000)
+    job_id, thread, seen = _reading(
+        c, "buggy", {**SLOW, "PARKQ_TEST_WORKER_ERROR_AFTER_TOKENS": "100"}
+    )
     assert c.procs["buggy"].wait(timeout=60) != 0
     wait_until(lambda: job(c.base_url, job_id)["state"] == "queued", timeout=10)
     c.start_worker("next")  # whoever comes next finishes it
@@ -189,10 +198,7 @@ def test_a_replay_that_computes_other_tokens_is_never_spliced(stack: Cluster) ->
     error and [DONE]: never the continuation of a text it did not see."""
     c = stack
     reference = _reference(c)
-    c.start_worker("first", env={**SLOW, "PARKQ_TEST_DIE_AFTER_TOKENS": "100"})
-    resp = submit_stream(c.base_url, LONG)
-    job_id = resp.headers["X-Job-Id"]
-    thread, seen = reading_in_background(c.base_url, resp, per_connection=1000)
+    job_id, thread, seen = _reading(c, "first", {**SLOW, "PARKQ_TEST_DIE_AFTER_TOKENS": "100"})
     c.procs["first"].wait(timeout=60)
     c.start_worker("other", env={"PARKQ_TEST_LOGITS_DIFFER_FROM": "30"})
     thread.join(timeout=120)

@@ -112,13 +112,18 @@ def test_a_job_is_claimed_only_by_a_worker_serving_its_model(
     assert claim is not None and claim.job_id == "for-a"
 
 
-def test_preemption_considers_only_workers_serving_the_jobs_model(
-    fake_redis: fakeredis.FakeRedis, settings: Settings
-) -> None:
+def _b_runs_a_long_job(fake_redis: fakeredis.FakeRedis, settings: Settings) -> None:
+    """Worker ``wb`` (model b) runs ``long-b``, a batch job queued at 1 s."""
     worker_b = Store(fake_redis, settings, _model("b", "b"))
     worker_b.workers.heartbeat("wb", now=1.0, ttl=1000)
     _enqueue(worker_b, "long-b", 0, 1.0)
     assert worker_b.claim("wb", 2.0) is not None
+
+
+def test_preemption_considers_only_workers_serving_the_jobs_model(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    _b_runs_a_long_job(fake_redis, settings)
     web_a = Store(fake_redis, settings, _model("a", "a"))
     _enqueue(web_a, "urgent-a", 10, 500.0)
     # wb runs the lowest-key job, long past its minimum run time, but it could
@@ -200,10 +205,7 @@ def test_a_claim_reads_past_any_number_of_jobs_it_may_not_take(
 def test_preemption_reads_past_jobs_no_runner_may_take(
     fake_redis: fakeredis.FakeRedis, settings: Settings
 ) -> None:
-    worker_b = Store(fake_redis, settings, _model("b", "b"))
-    worker_b.workers.heartbeat("wb", now=1.0, ttl=1000)
-    _enqueue(worker_b, "long-b", 0, 1.0)
-    assert worker_b.claim("wb", 2.0) is not None
+    _b_runs_a_long_job(fake_redis, settings)
     web_a = Store(fake_redis, settings, _model("a", "a"))
     for i in range(100):
         _enqueue(web_a, f"urgent-a-{i}", 10, 300.0 + i)

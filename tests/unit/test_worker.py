@@ -149,15 +149,21 @@ def test_park_requeues_with_the_original_score(store: Store) -> None:
     assert store.queue_position("old") == 0 and store.queue_position("newer") == 1
 
 
+def _parked_by_holder(store: Store, parked_at: float) -> None:
+    """Job ``j``, claimed by ``holder`` at 10 s and parked at ``parked_at``
+    (its KV kept there); ``other`` is alive too."""
+    store.enqueue("j", "completion", {}, 0, 1.0)
+    store.workers.heartbeat("holder", now=10.0, ttl=1000)
+    store.workers.heartbeat("other", now=10.0, ttl=1000)
+    claim = store.claim("holder", 10.0)
+    assert claim is not None
+    store.park("j", claim.exec_token, "holder", "{}", parked_at)
+
+
 def test_a_parked_job_waits_for_its_checkpoint_holder_then_anyone_may_take_it(
     store: Store, settings: Settings
 ) -> None:
-    store.enqueue("j", "completion", {}, 0, 1.0)
-    store.workers.heartbeat("holder", now=10.0, ttl=100)
-    store.workers.heartbeat("other", now=10.0, ttl=100)
-    claim = store.claim("holder", 10.0)
-    assert claim is not None
-    store.park("j", claim.exec_token, "holder", "{}", 11.0)
+    _parked_by_holder(store, 11.0)
     soon = 11.0 + settings.affinity_seconds / 2
     assert store.claim("other", soon) is None  # left to the holder for a while
     late = 11.0 + settings.affinity_seconds + 0.1
@@ -169,12 +175,7 @@ def test_a_parked_job_waits_for_its_checkpoint_holder_then_anyone_may_take_it(
 def test_a_parked_job_that_ran_long_waits_for_its_holder_as_long_as_a_replay_would_take(
     store: Store, settings: Settings
 ) -> None:
-    store.enqueue("j", "completion", {}, 0, 1.0)
-    store.workers.heartbeat("holder", now=10.0, ttl=1000)
-    store.workers.heartbeat("other", now=10.0, ttl=1000)
-    claim = store.claim("holder", 10.0)
-    assert claim is not None
-    store.park("j", claim.exec_token, "holder", "{}", 40.0)  # it ran 30 s
+    _parked_by_holder(store, 40.0)  # it ran 30 s
     assert store.claim("other", 40.0 + settings.affinity_seconds + 1) is None
     assert store.claim("other", 69.0) is None  # a replay would take about as long
     again = store.claim("other", 70.5)
