@@ -129,6 +129,21 @@ class BatchStore:
         files = [f for f in found.values() if f is not None]
         return [f for f in files if purpose is None or f["purpose"] == purpose]
 
+    def uploaded_bytes(self) -> int:
+        """Bytes of the uploaded files still kept (not batches' outputs); forgets the
+        ids of the files that expired."""
+        ids = [as_text(x) for x in self.r.zrange(self.keys.files, 0, -1)]
+        rows: list[Any] = []
+        for start in range(0, len(ids), 1000):
+            with self.r.pipeline(transaction=False) as p:
+                for file_id in ids[start : start + 1000]:
+                    p.hmget(self.keys.file(file_id), ["bytes", "purpose"])
+                rows.extend(p.execute())
+        gone = [i for i, (size, _) in zip(ids, rows, strict=True) if size is None]
+        if gone:
+            self.r.zrem(self.keys.files, *gone)
+        return sum(int(size) for size, purpose in rows if size is not None and purpose == b"batch")
+
     def delete_file(self, file_id: str) -> bool:
         k = self.keys
         with self.r.pipeline() as p:

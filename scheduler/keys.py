@@ -130,8 +130,9 @@ class Keys:
     @property
     def files(self) -> str:
         """Sorted set of uploaded and generated file ids scored by creation time. Bound:
-        a batch's output and error files expire with the batch's retention; uploaded
-        files live until deleted (DELETE /v1/files/<id>), as OpenAI's do."""
+        a batch's output and error files expire with the batch's retention, uploaded
+        files PARKQ_FILE_TTL_SECONDS after their upload (or when deleted), and the
+        ids of expired ones are dropped when the files are listed or counted."""
         return f"{self.base}:files"
 
     def file(self, file_id: str) -> str:

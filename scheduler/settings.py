@@ -179,7 +179,19 @@ class Settings(BaseSettings):
         30 * 86400,
         ge=60,
         description="An ended batch's record (status, counts, its lines' ids) and its output "
-        "and error files are kept this long after it ends; uploaded files stay until deleted.",
+        "and error files are kept this long after it ends.",
+    )
+    file_ttl_seconds: int = Field(
+        30 * 86400,
+        ge=0,
+        description="An uploaded file is deleted this long after its upload (its expires_at; "
+        "0: kept until deleted). A batch already created from it keeps its lines.",
+    )
+    files_max_bytes: int = Field(
+        1024**3,
+        ge=0,
+        description="All uploaded files together, in bytes (they are kept in Redis): an upload "
+        "past it is refused with 413 until files are deleted or expire (0: no limit).",
     )
     batch_window: int = Field(
         4,

@@ -55,8 +55,23 @@ def upload_file() -> Any:
         raise BadRequest(
             f"The file holds {lines} requests; a batch takes at most {max_lines}.", param="file"
         )
+    settings = current().settings
+    store = batch_store()
+    quota = settings.files_max_bytes
+    if quota:
+        used = store.uploaded_bytes()
+        if used + len(content) > quota:
+            raise PayloadTooLarge(
+                f"Uploaded files hold {used} of the {quota} bytes this server keeps "
+                f"(PARKQ_FILES_MAX_BYTES); this one ({len(content)} bytes) does not fit. Delete "
+                "files (DELETE /v1/files/<id>) or wait for them to expire.",
+                code="files_quota_exceeded",
+            )
+    now = time.time()
+    ttl = settings.file_ttl_seconds
+    expires = int(now + ttl) if ttl else None
     name = upload.filename or "batch.jsonl"
-    return jsonify(batch_store().create_file(name, purpose, content, time.time()))
+    return jsonify(store.create_file(name, purpose, content, now, expires_at=expires))
 
 
 @bp.get("/v1/files")

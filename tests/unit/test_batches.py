@@ -317,11 +317,34 @@ def test_an_ended_batch_is_kept_for_its_retention_then_forgotten(
     fake_redis.delete(settings.keys.batch(batch["id"]))  # as its expiry will
     listed = client.get("/v1/batches").get_json()
     assert listed["data"] == [] and fake_redis.zcard(settings.keys.batches) == 0
-    # Its error file expires with it; the uploaded input stays until deleted.
+    # Its error file expires with it; the uploaded input with its own TTL (30 days).
     error_file = client.get(f"/v1/files/{batch['error_file_id']}").get_json()
     assert 0 < error_file["expires_at"] - time.time() <= 61
     assert 0 < fake_redis.ttl(settings.keys.file_content(batch["error_file_id"])) <= 61
-    assert fake_redis.ttl(settings.keys.file(file_id)) == -1
+    assert fake_redis.ttl(settings.keys.file(file_id)) > 60
     fake_redis.delete(settings.keys.file(batch["error_file_id"]))  # as its expiry will
     listed_files = client.get("/v1/files").get_json()["data"]
     assert [f["id"] for f in listed_files] == [file_id]
+
+
+def test_an_uploaded_file_expires_and_the_uploads_have_a_quota(
+    bsettings: Settings, fake_redis: fakeredis.FakeRedis
+) -> None:
+    settings = bsettings.model_copy(update={"file_ttl_seconds": 3600, "files_max_bytes": 600})
+    client = create_app(settings, vocab=FakeVocab(), client=fake_redis).test_client()
+    first = _upload(client, [_line("a", "x" * 100), _line("b", "y" * 100)])
+    assert first.status_code == 200
+    meta = first.get_json()
+    assert meta["expires_at"] - time.time() == pytest.approx(3600, abs=5)
+    keys = settings.keys
+    for key in (keys.file(meta["id"]), keys.file_content(meta["id"])):
+        assert 0 < fake_redis.ttl(key) <= 3600
+    # The next upload would pass the quota: refused, nothing stored.
+    over = _upload(client, [_line("c", "z" * 100), _line("d", "w" * 100)])
+    assert over.status_code == 413
+    assert over.get_json()["error"]["code"] == "files_quota_exceeded"
+    listed = client.get("/v1/files").get_json()["data"]
+    assert [f["id"] for f in listed] == [meta["id"]]
+    # Deleting the first frees its bytes.
+    assert client.delete(f"/v1/files/{meta['id']}").status_code == 200
+    assert _upload(client, [_line("c", "z" * 100), _line("d", "w" * 100)]).status_code == 200
