@@ -96,6 +96,43 @@ class BatchStore:
             p.execute()
         return self._file_object(meta)
 
+    def write_file(
+        self,
+        filename: str,
+        purpose: str,
+        chunks: Iterator[bytes],
+        now: float,
+        expires_at: int,
+        pending_seconds: int = 3600,
+    ) -> dict[str, Any] | None:
+        """A file written piece by piece (a large batch's output, never whole in
+        memory); None when ``chunks`` holds nothing. Until its record is written
+        its content expires after ``pending_seconds`` (a writer that dies leaves
+        nothing behind for good)."""
+        file_id = new_id("file")
+        k = self.keys
+        size = 0
+        for chunk in chunks:
+            with self.r.pipeline() as p:
+                p.append(k.file_content(file_id), chunk)
+                p.expire(k.file_content(file_id), pending_seconds)
+                p.execute()
+            size += len(chunk)
+        if size == 0:
+            return None
+        meta: dict[str, Any] = {
+            "id": file_id, "object": "file", "bytes": size, "created_at": int(now),
+            "filename": filename, "purpose": purpose, "status": "processed",
+            "expires_at": expires_at,
+        }  # fmt: skip
+        with self.r.pipeline() as p:
+            p.hset(k.file(file_id), mapping={key: str(v) for key, v in meta.items()})
+            p.zadd(k.files, {file_id: now})
+            p.expireat(k.file_content(file_id), expires_at)
+            p.expireat(k.file(file_id), expires_at)
+            p.execute()
+        return self._file_object(meta)
+
     @staticmethod
     def _file_object(meta: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -313,6 +350,10 @@ class BatchStore:
 
     def lock(self, batch_id: str, seconds: int = 300) -> bool:
         return bool(self.r.set(self.keys.batch_lock(batch_id), "1", nx=True, ex=seconds))
+
+    def renew_lock(self, batch_id: str, seconds: int = 300) -> None:
+        """Keep holding the batch's lock (a long finalization)."""
+        self.r.expire(self.keys.batch_lock(batch_id), seconds)
 
     def unlock(self, batch_id: str) -> None:
         self.r.delete(self.keys.batch_lock(batch_id))

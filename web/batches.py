@@ -13,6 +13,7 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal, TypeVar
 
 from flask import Blueprint, current_app, jsonify, request
@@ -256,6 +257,9 @@ def _batch_object(batches: BatchStore, batch_id: str) -> dict[str, Any]:
             _finalize(batches, batch_id, items, states)
             record = _batch(batches, batch_id)
             status = record["status"]
+            if "total" in record:  # the counts its files were written with
+                total, completed = int(record["total"]), int(record["completed"])
+                failed = int(record["failed"])
         elif status == "finalizing":
             status = "in_progress"  # a finalization that died with its process: retried
     errors = json.loads(record.get("errors") or "[]")
@@ -307,6 +311,44 @@ def _result_line(batches: BatchStore, item: Item) -> dict[str, Any]:
     }
 
 
+#: Lines of a batch's output written (and its lock renewed) at a time.
+FINALIZE_CHUNK = 1000
+
+
+def _final_line(
+    batches: BatchStore,
+    item: Item,
+    state: str | None,
+    cancelled: bool,
+    err: list[dict[str, Any]],
+    counts: dict[str, int],
+) -> dict[str, Any] | None:
+    """A line's output line, or None with its error line added to ``err`` (a
+    line whose result cannot be read is an error line, not a failed batch)."""
+    if state == JobState.FINISHED:
+        try:
+            line = _result_line(batches, item)
+        except Exception as exc:  # its record or events unreadable: this line, not the batch
+            current_app.logger.exception("batch line %s: result unreadable", item.job)
+            err.append(_error_line(item.custom_id, "result_unreadable",
+                                   f"The request's result could not be read: {exc}"))  # fmt: skip
+            counts["failed"] += 1
+            return None
+        counts["completed"] += 1
+        return line
+    if state == JobState.FAILED:
+        message = (batches.store.get(item.job) or {}).get("error") or "The request failed."
+        err.append(_error_line(item.custom_id, "request_failed", message))
+        counts["failed"] += 1
+    elif state == JobState.CANCELLED or cancelled:
+        err.append(_error_line(item.custom_id, "batch_cancelled",
+                               "The request was cancelled before it completed."))  # fmt: skip
+    else:
+        err.append(_error_line(item.custom_id, "result_expired", "The request's result expired."))
+        counts["failed"] += 1
+    return None
+
+
 def _finalize(
     batches: BatchStore, batch_id: str, items: list[Item], states: list[str | None]
 ) -> None:
@@ -321,46 +363,41 @@ def _finalize(
         now = str(int(time.time()))
         if record["status"] != "failed":  # a failed batch stays failed meanwhile
             batches.update(batch_id, {"status": "finalizing", "finalizing_at": now})
-        out: list[dict[str, Any]] = []
         err: list[dict[str, Any]] = list(batches.invalid_lines(batch_id))
-        completed = failed = 0
-        for item, state in zip(items, states, strict=True):
-            if state == JobState.FINISHED:
-                out.append(_result_line(batches, item))
-                completed += 1
-            elif state == JobState.FAILED:
-                message = (batches.store.get(item.job) or {}).get("error") or "The request failed."
-                err.append(_error_line(item.custom_id, "request_failed", message))
-                failed += 1
-            elif state == JobState.CANCELLED or cancelled:
-                err.append(
-                    _error_line(
-                        item.custom_id,
-                        "batch_cancelled",
-                        "The request was cancelled before it completed.",
-                    )
-                )
-            else:
-                err.append(
-                    _error_line(item.custom_id, "result_expired", "The request's result expired.")
-                )
-                failed += 1
+        counts = {"completed": 0, "failed": 0}
+
+        def output() -> Iterator[bytes]:
+            """The output file in pieces of FINALIZE_CHUNK lines (the lock renewed
+            for each); every line that is not a result goes to ``err``."""
+            piece: list[str] = []
+            for n, (item, state) in enumerate(zip(items, states, strict=True), start=1):
+                line = _final_line(batches, item, state, cancelled, err, counts)
+                if line is not None:
+                    piece.append(json.dumps(line) + "\n")
+                if n % FINALIZE_CHUNK == 0:
+                    batches.renew_lock(batch_id)
+                    if piece:
+                        yield "".join(piece).encode()
+                        piece = []
+            if piece:
+                yield "".join(piece).encode()
+
+        expires = int(time.time()) + batches.settings.batch_retention_seconds
+        written = batches.write_file(f"{batch_id}_output.jsonl", "batch_output", output(),
+                                     time.time(), expires)  # fmt: skip
+        completed, failed = counts["completed"], counts["failed"]
         fields = {
             "total": str(len(items) + int(record["invalid"])),
             "completed": str(completed),
             "failed": str(failed + int(record["invalid"])),
         }
-        for name, lines in (("output", out), ("error", err)):
-            if lines:
-                content = "".join(json.dumps(x) + "\n" for x in lines).encode()
-                meta = batches.create_file(
-                    f"{batch_id}_{name}.jsonl",
-                    "batch_output",
-                    content,
-                    time.time(),
-                    expires_at=int(time.time()) + batches.settings.batch_retention_seconds,
-                )
-                fields[f"{name}_file_id"] = meta["id"]
+        if written is not None:
+            fields["output_file_id"] = written["id"]
+        if err:
+            content = "".join(json.dumps(x) + "\n" for x in err).encode()
+            meta = batches.create_file(f"{batch_id}_error.jsonl", "batch_output", content,
+                                       time.time(), expires_at=expires)  # fmt: skip
+            fields["error_file_id"] = meta["id"]
         if record["status"] == "failed":
             fields["status"] = "failed"
         elif cancelled:

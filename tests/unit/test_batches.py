@@ -348,3 +348,44 @@ def test_an_uploaded_file_expires_and_the_uploads_have_a_quota(
     # Deleting the first frees its bytes.
     assert client.delete(f"/v1/files/{meta['id']}").status_code == 200
     assert _upload(client, [_line("c", "z" * 100), _line("d", "w" * 100)]).status_code == 200
+
+
+def test_a_line_whose_result_cannot_be_read_is_an_error_line_not_a_failed_batch(
+    bsettings: Settings, fake_redis: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from jobs.batches import BatchStore
+    from jobs.store import Store
+    from web import batches as web_batches
+
+    monkeypatch.setattr(web_batches, "FINALIZE_CHUNK", 2)  # the output written in pieces
+    client = create_app(bsettings, vocab=FakeVocab(), client=fake_redis).test_client()
+    up = _upload(client, [_line(f"r{i}", f"hello {i}") for i in range(5)])
+    batch = _create(client, up.get_json()["id"]).get_json()
+    batches = BatchStore(Store(fake_redis, bsettings))
+    deadline = time.monotonic() + 30
+    while len(items := list(batches.items(batch["id"]))) < 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    w = Worker(bsettings, FakeEngine(), fake_redis, name="w1")
+    thread = threading.Thread(target=w.run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while batches.states(items) != ["finished"] * 5:
+            assert time.monotonic() < deadline, batches.states(items)
+            time.sleep(0.02)
+    finally:
+        w.stop()
+        thread.join(timeout=10)
+    fake_redis.hset(bsettings.keys.job(items[3].job), "request", "{not json")
+    done = _wait_status(client, batch["id"], {"completed", "failed"})
+    assert done["status"] == "completed"
+    assert done["request_counts"] == {"total": 5, "completed": 4, "failed": 1}
+    out = _jsonl(client, done["output_file_id"])
+    assert [x["custom_id"] for x in out] == ["r0", "r1", "r2", "r4"]
+    errors = [(x["custom_id"], x["error"]["code"]) for x in _jsonl(client, done["error_file_id"])]
+    assert errors == [("r3", "result_unreadable")]
+    content = bsettings.keys.file_content(done["output_file_id"])
+    assert fake_redis.ttl(content) > 0 and fake_redis.exists(
+        bsettings.keys.file(done["output_file_id"])
+    )
