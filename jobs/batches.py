@@ -11,6 +11,7 @@ feeds it again; feeding is idempotent.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import time
@@ -112,12 +113,17 @@ class BatchStore:
         file_id = new_id("file")
         k = self.keys
         size = 0
-        for chunk in chunks:
-            with self.r.pipeline() as p:
-                p.append(k.file_content(file_id), chunk)
-                p.expire(k.file_content(file_id), pending_seconds)
-                p.execute()
-            size += len(chunk)
+        try:
+            for chunk in chunks:
+                with self.r.pipeline() as p:
+                    p.append(k.file_content(file_id), chunk)
+                    p.expire(k.file_content(file_id), pending_seconds)
+                    p.execute()
+                size += len(chunk)
+        except BaseException:
+            with contextlib.suppress(redis.RedisError):
+                self.r.delete(k.file_content(file_id))  # no partial file left behind
+            raise
         if size == 0:
             return None
         meta: dict[str, Any] = {
@@ -179,7 +185,11 @@ class BatchStore:
         gone = [i for i, (size, _) in zip(ids, rows, strict=True) if size is None]
         if gone:
             self.r.zrem(self.keys.files, *gone)
-        return sum(int(size) for size, purpose in rows if size is not None and purpose == b"batch")
+        return sum(
+            int(size)
+            for size, purpose in rows
+            if size is not None and purpose is not None and as_text(purpose) == "batch"
+        )
 
     def delete_file(self, file_id: str) -> bool:
         k = self.keys

@@ -328,7 +328,8 @@ def _final_line(
     if state == JobState.FINISHED:
         try:
             line = _result_line(batches, item)
-        except Exception as exc:  # its record or events unreadable: this line, not the batch
+        except (KeyError, ValueError, TypeError) as exc:  # its record or events unreadable
+            # (a Redis error is not this line's: it propagates, the next read retries)
             current_app.logger.exception("batch line %s: result unreadable", item.job)
             err.append(_error_line(item.custom_id, "result_unreadable",
                                    f"The request's result could not be read: {exc}"))  # fmt: skip
@@ -359,7 +360,9 @@ def _finalize(
         record = _batch(batches, batch_id)
         if "total" in record:
             return  # already finalized
-        cancelled = record["status"] == "cancelling"
+        # (A finalization that died after marking the batch `finalizing` left its
+        # cancel in `cancelling_at`.)
+        cancelled = record["status"] == "cancelling" or bool(record.get("cancelling_at"))
         now = str(int(time.time()))
         if record["status"] != "failed":  # a failed batch stays failed meanwhile
             batches.update(batch_id, {"status": "finalizing", "finalizing_at": now})
