@@ -239,32 +239,42 @@ def test_tokenize_and_detokenize_round_trip(client: FlaskClient) -> None:
     assert client.post("/v1/detokenize", json={"tokens": [10**6]}).status_code == 400
 
 
-def test_a_batchs_results_outlive_the_result_ttl_until_its_output_is_written(
-    bsettings: Settings, fake_redis: fakeredis.FakeRedis
-) -> None:
+def _run_unread(
+    settings: Settings, fake_redis: fakeredis.FakeRedis, batch_id: str, lines: int
+) -> list[Any]:
+    """Wait for the batch's ``lines`` lines to be validated, then run them all on
+    a worker, with no one reading the batch; its items."""
     from jobs.batches import BatchStore
     from jobs.store import Store
 
-    settings = bsettings.model_copy(update={"result_ttl": 1})
-    client = create_app(settings, vocab=FakeVocab(), client=fake_redis).test_client()
-    up = _upload(client, [_line(f"r{i}", f"hello {i}") for i in range(3)])
-    batch = _create(client, up.get_json()["id"]).get_json()
     batches = BatchStore(Store(fake_redis, settings))
     deadline = time.monotonic() + 30
-    while len(items := list(batches.items(batch["id"]))) < 3:  # validated, not yet read
+    while len(items := list(batches.items(batch_id))) < lines:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     w = Worker(settings, FakeEngine(), fake_redis, name="w1")
     thread = threading.Thread(target=w.run)
     thread.start()
-    try:  # no one looks at the batch while it runs
+    try:
         deadline = time.monotonic() + 30
-        while batches.states(items) != ["finished"] * 3:
+        while batches.states(items) != ["finished"] * lines:
             assert time.monotonic() < deadline, batches.states(items)
             time.sleep(0.02)
     finally:
         w.stop()
         thread.join(timeout=10)
+    return items
+
+
+def test_a_batchs_results_outlive_the_result_ttl_until_its_output_is_written(
+    bsettings: Settings, fake_redis: fakeredis.FakeRedis
+) -> None:
+
+    settings = bsettings.model_copy(update={"result_ttl": 1})
+    client = create_app(settings, vocab=FakeVocab(), client=fake_redis).test_client()
+    up = _upload(client, [_line(f"r{i}", f"hello {i}") for i in range(3)])
+    batch = _create(client, up.get_json()["id"]).get_json()
+    items = _run_unread(settings, fake_redis, batch["id"], 3)
     time.sleep(1.5)  # past the result TTL of every line
     done = _wait_status(client, batch["id"], {"completed", "failed"})
     assert done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
@@ -353,30 +363,13 @@ def test_an_uploaded_file_expires_and_the_uploads_have_a_quota(
 def test_a_line_whose_result_cannot_be_read_is_an_error_line_not_a_failed_batch(
     bsettings: Settings, fake_redis: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from jobs.batches import BatchStore
-    from jobs.store import Store
     from web import batches as web_batches
 
     monkeypatch.setattr(web_batches, "FINALIZE_CHUNK", 2)  # the output written in pieces
     client = create_app(bsettings, vocab=FakeVocab(), client=fake_redis).test_client()
     up = _upload(client, [_line(f"r{i}", f"hello {i}") for i in range(5)])
     batch = _create(client, up.get_json()["id"]).get_json()
-    batches = BatchStore(Store(fake_redis, bsettings))
-    deadline = time.monotonic() + 30
-    while len(items := list(batches.items(batch["id"]))) < 5:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    w = Worker(bsettings, FakeEngine(), fake_redis, name="w1")
-    thread = threading.Thread(target=w.run)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while batches.states(items) != ["finished"] * 5:
-            assert time.monotonic() < deadline, batches.states(items)
-            time.sleep(0.02)
-    finally:
-        w.stop()
-        thread.join(timeout=10)
+    items = _run_unread(bsettings, fake_redis, batch["id"], 5)
     fake_redis.hset(bsettings.keys.job(items[3].job), "request", "{not json")
     done = _wait_status(client, batch["id"], {"completed", "failed"})
     assert done["status"] == "completed"
