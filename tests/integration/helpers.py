@@ -64,6 +64,14 @@ def job(base_url: str, job_id: str) -> dict[str, Any]:
     return requests.get(f"{base_url}/v1/jobs/{job_id}", timeout=10).json()
 
 
+def web_answers(base_url: str) -> bool:
+    """Whether `parkq web` answers at ``base_url`` (with or without live workers)."""
+    try:
+        return requests.get(f"{base_url}/healthz", timeout=5).status_code in (200, 503)
+    except requests.RequestException:
+        return False
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

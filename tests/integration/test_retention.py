@@ -6,6 +6,7 @@ nobody reads still ends and lets its lines' events go. Real processes:
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,13 @@ import redis
 import requests
 
 from scheduler.keys import Keys
-from tests.integration.helpers import completion_text, read_events, submit_stream, wait_until
+from tests.integration.helpers import (
+    completion_text,
+    read_events,
+    submit_stream,
+    wait_until,
+    web_answers,
+)
 from tests.integration.test_stuck import _line, _upload
 from tests.integration.test_workers import Cluster, running_cluster
 
@@ -119,3 +126,23 @@ def test_a_batch_nobody_reads_ends_and_lets_its_lines_events_go(stack: Cluster) 
     results = [json.loads(line) for line in out.text.splitlines()]
     assert sorted(x["custom_id"] for x in results) == [f"doc-{i}" for i in range(6)]
     assert all(x["response"]["body"]["usage"]["completion_tokens"] == 150 for x in results)
+
+
+def test_uploads_past_the_quota_are_refused_and_each_expires(
+    redis_server, tiny_model: Path, tmp_path: Path
+) -> None:
+    """`parkq web` with a 2,000-byte quota for uploads, kept an hour each."""
+    env = {"PARKQ_FILES_MAX_BYTES": "2000", "PARKQ_FILE_TTL_SECONDS": "3600"}
+    with running_cluster(redis_server.url, tiny_model, tmp_path, "quota", (), web_env=env) as c:
+        wait_until(lambda: web_answers(c.base_url), timeout=60)
+        first = _upload(c, [_line(f"a{i}", "x" * 300) for i in range(3)])
+        assert 0 < first["expires_at"] - time.time() <= 3600
+        assert 0 < _redis(c).ttl(Keys("quota").file_content(first["id"])) <= 3600
+        over = requests.post(f"{c.base_url}/v1/files", data={"purpose": "batch"},
+                             files={"file": ("b.jsonl", b"\n".join(
+                                 _line(f"b{i}", "y" * 300).encode() for i in range(3)))},
+                             timeout=30)  # fmt: skip
+        assert over.status_code == 413
+        assert over.json()["error"]["code"] == "files_quota_exceeded"
+        ids = [f["id"] for f in requests.get(f"{c.base_url}/v1/files", timeout=10).json()["data"]]
+        assert ids == [first["id"]]

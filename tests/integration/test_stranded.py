@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import redis
-import requests
 
 from jobs.identity import ModelIdentity
 from jobs.store import Store
@@ -28,6 +27,7 @@ from tests.integration.helpers import (
     reading_in_background,
     submit_stream,
     wait_until,
+    web_answers,
 )
 from tests.integration.test_workers import Cluster, running_cluster
 
@@ -42,15 +42,8 @@ def stack(redis_server, tiny_model: Path, tmp_path: Path) -> Iterator[Cluster]:
     """`parkq web` and no worker yet (each test starts its own)."""
     prefix = f"strand{time.monotonic_ns()}"
     with running_cluster(redis_server.url, tiny_model, tmp_path, prefix, ()) as c:
-        wait_until(lambda: _up(c), timeout=60)
+        wait_until(lambda: web_answers(c.base_url), timeout=60)
         yield c
-
-
-def _up(c: Cluster) -> bool:
-    try:
-        return requests.get(f"{c.base_url}/healthz", timeout=5).status_code in (200, 503)
-    except requests.RequestException:
-        return False
 
 
 def _reference(c: Cluster) -> str:

@@ -17,7 +17,7 @@ import redis
 import requests
 
 from scheduler.keys import Keys
-from tests.integration.helpers import job, read_events, submit_stream, wait_until
+from tests.integration.helpers import job, read_events, submit_stream, wait_until, web_answers
 from tests.integration.test_workers import Cluster, running_cluster
 
 SHORT = {"prompt": "Twenty tokens and done", "max_tokens": 20, "temperature": 0,
@@ -83,13 +83,6 @@ def test_an_n2_stream_reconnects_after_one_choice_or_both_finished(stack: Cluste
     assert all(json.loads(d)["choices"][0]["index"] == 1 for _, d in rest[:-1])
 
 
-def _up(c: Cluster) -> bool:
-    try:
-        return requests.get(f"{c.base_url}/healthz", timeout=5).status_code in (200, 503)
-    except requests.RequestException:
-        return False
-
-
 def _read_in_background(resp: requests.Response) -> tuple[threading.Thread, list[Any]]:
     got: list[Any] = []
     thread = threading.Thread(target=lambda: got.extend(_frames(resp)), daemon=True)
@@ -107,7 +100,7 @@ def test_a_job_that_ended_without_its_done_closes_every_stream(
     prefix = f"noend{time.monotonic_ns()}"
     with running_cluster(redis_server.url, tiny_model, tmp_path, prefix, (),
                          web_env={"PARKQ_KEEPALIVE_SECONDS": "1"}) as c:  # fmt: skip
-        wait_until(lambda: _up(c), timeout=60)
+        wait_until(lambda: web_answers(c.base_url), timeout=60)
         resp = submit_stream(c.base_url, SHORT)
         job_id = resp.headers["X-Job-Id"]
         thread, got = _read_in_background(resp)
