@@ -203,3 +203,51 @@ def test_a_replay_that_computes_other_tokens_is_never_spliced(stack: Cluster) ->
     assert len(seen) - 2 >= 100 and reference.startswith(kept)
     assert job(c.base_url, job_id)["state"] == "failed"
     assert c.procs["other"].poll() is None
+
+
+def test_a_parked_job_waits_for_its_busy_holder_as_long_as_a_replay_would_cost(
+    redis_server, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A long job runs for seconds, then a short one parks it (one sequence a
+    call); an idle worker starts while the short one still runs. Past the 1 s
+    affinity the idle worker would replay the long job token by token, which
+    costs about as long as it has run: it leaves the job to its holder until
+    then, and the holder resumes it once the short job is done."""
+    # Priorities that do not age within the test (the suite's age a level
+    # every 0.5 s: the long job would soon outrank the short one).
+    unaged = {"PARKQ_PRIORITY_LEVEL_SECONDS": "600", "PARKQ_AFFINITY_SECONDS": "1"}
+    with running_cluster(redis_server.url, tiny_model, tmp_path, f"holder{time.monotonic_ns()}",
+                         (), web_env=unaged) as c:  # fmt: skip
+        wait_until(lambda: web_answers(c.base_url), timeout=60)
+        _holder_keeps_its_job(c, redis_server, unaged)
+
+
+def _holder_keeps_its_job(c: Cluster, redis_server: Any, unaged: dict[str, str]) -> None:
+    env = {**unaged, "PARKQ_TEST_DECODE_DELAY_SECONDS": "0.02", "PARKQ_MAX_SEQS": "1",
+           "PARKQ_PARKED_SEQS": "1"}  # fmt: skip
+    c.start_worker("holder", env=env)
+    wait_until(lambda: c.workers_alive() == 1, timeout=60)
+    resp = submit_stream(c.base_url, {**LONG, "max_tokens": 900})
+    job_id = resp.headers["X-Job-Id"]
+    thread, seen = reading_in_background(c.base_url, resp, per_connection=2000)
+    wait_until(lambda: job(c.base_url, job_id)["tokens"] >= 500, timeout=120)  # >= 10 s run
+    short = submit_stream(c.base_url, {"prompt": "Quick question", "max_tokens": 400,
+                                       "ignore_eos": True, "priority": "interactive"})  # fmt: skip
+    wait_until(lambda: job(c.base_url, job_id)["state"] == "parked", timeout=60)
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    key = Keys(c.env["PARKQ_KEY_PREFIX"]).job(job_id)
+    ran = float(r.hget(key, "run_seconds") or 0)
+    assert ran > 5  # far past the affinity: the old rule let anyone replay it after 1 s
+    c.start_worker("idle", env=unaged)
+    wait_until(lambda: c.workers_alive() == 2, timeout=60)
+    # The test means something only if the idle worker came up while the
+    # long job still waited for its holder.
+    assert job(c.base_url, job_id)["state"] == "parked", "start the idle worker sooner"
+    assert read_events(short)[-1][1] == "[DONE]"
+    thread.join(timeout=120)
+    assert seen and seen[-1][1] == "[DONE]"
+    assert [i for i, _ in seen] == list(range(1, len(seen) + 1))
+    record = r.hgetall(key)
+    assert record["state"] == "finished"
+    if record["worker"] != "holder":  # a slow machine: the short job outlasted the long one's run
+        assert float(record["resumed_at"]) - float(record["parked_at"]) >= ran - 0.5
