@@ -26,7 +26,7 @@ from jobs.store import Cancelled
 from scheduler.state import JobState
 from web.errors import APIError, BadRequest, Conflict, NotFound
 from web.files import batch_store, file_meta
-from web.intake import chat_job, check_model, completion_job, read_body
+from web.intake import chat_job, check_model, completion_job, read_body, unencodable
 from web.responses import assemble
 from web.runtime import current
 from web.schemas import ChatRequest, CompletionRequest, parse
@@ -63,6 +63,14 @@ def _line_job(raw: str, endpoint: str, seen: set[str]) -> tuple[str, GenerationR
         raise _LineError("invalid_json_line", "This line is not valid JSON.") from None
     if not isinstance(line, dict):
         raise _LineError("invalid_request", "A line must be a JSON object.")
+    if (where := unencodable(line)) is not None:
+        custom = line.get("custom_id")
+        raise _LineError(
+            "invalid_text",
+            f"'{where}' is not valid Unicode text: it holds a lone surrogate (such as "
+            "\\ud800), which no UTF-8 text can carry.",
+            custom if isinstance(custom, str) and unencodable(custom) is None else None,
+        )
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise _LineError("missing_custom_id", "The line has no 'custom_id' (a string).")

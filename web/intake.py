@@ -24,14 +24,59 @@ from web.errors import BadRequest, ContextLengthExceeded, ModelMismatch
 from web.runtime import Runtime, current
 from web.schemas import ChatRequest, CompletionRequest, _Common
 
-__all__ = ["chat_job", "check_model", "completion_job", "priority", "read_body"]
+__all__ = [
+    "chat_job",
+    "check_model",
+    "completion_job",
+    "priority",
+    "read_body",
+    "unencodable",
+]
+
+
+def unencodable(value: Any, path: str = "") -> str | None:
+    """The path (``messages[0].content``) of the first text in ``value``, key or
+    value, that is not Unicode text UTF-8 can carry (a lone surrogate such as
+    JSON's ``"\\ud800"``); None if there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if unencodable(key, where) is not None:
+                return f"{path}.<key>" if path else "<key>"
+            if (found := unencodable(item, where)) is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if (found := unencodable(item, f"{path}[{i}]")) is not None:
+                return found
+    return None
+
+
+def check_text(value: Any) -> Any:
+    """``value`` if every text in it can be encoded; else a 400 naming the field."""
+    where = unencodable(value)
+    if where is not None:
+        raise BadRequest(
+            f"'{where}' is not valid Unicode text: it holds a lone surrogate (such as "
+            "\\ud800), which no UTF-8 text can carry.",
+            param=where,
+            code="invalid_text",
+        )
+    return value
 
 
 def read_body() -> Any:
     try:
-        return json.loads(request.get_data(cache=False))
+        body = json.loads(request.get_data(cache=False))
     except (ValueError, UnicodeDecodeError):
         raise BadRequest("The request body is not valid JSON.") from None
+    return check_text(body)
 
 
 def priority(req: _Common) -> int:

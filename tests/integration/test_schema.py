@@ -6,6 +6,9 @@ and every answer must match the description (status, headers, content type,
 body, SSE events); authentication must be enforced. CI runs a few dozen examples
 per operation; the full run sets PARKQ_FUZZ_EXAMPLES=1000.
 
+Generated bodies also carry text Hypothesis never makes by default: a lone
+surrogate, a NUL, control characters in one string (tests/schemathesis_hooks.py).
+
 Left out: `positive_data_acceptance`, which expects every schema-valid request
 to succeed; a valid request can still exceed the model's context (400 with the
 token counts), which no schema can express.
@@ -82,6 +85,10 @@ def test_schemathesis_finds_no_5xx_and_no_answer_off_the_description(
         capture_output=True,
         text=True,
         cwd=tmp_path,
+        env={
+            **os.environ,
+            "SCHEMATHESIS_HOOKS": str(Path(__file__).parents[1] / "schemathesis_hooks.py"),
+        },
         timeout=3500,
     )
     out = run.stdout
