@@ -72,8 +72,10 @@ class BatchStore:
         content: bytes,
         now: float,
         expires_at: int | None = None,
+        owner: str = "",
     ) -> dict[str, Any]:
-        """Store a file; one with ``expires_at`` (a batch's output) is deleted then."""
+        """Store a file; one with ``expires_at`` is deleted then. ``owner``: the
+        tenant that may see it ('' without API keys)."""
         file_id = new_id("file")
         meta: dict[str, Any] = {
             "id": file_id,
@@ -86,16 +88,20 @@ class BatchStore:
         }
         if expires_at is not None:
             meta["expires_at"] = expires_at
+        if owner:
+            meta["owner"] = owner
         k = self.keys
         with self.r.pipeline() as p:
             p.set(k.file_content(file_id), content)
             p.hset(k.file(file_id), mapping={key: str(v) for key, v in meta.items()})
             p.zadd(k.files, {file_id: now})
+            if owner:
+                p.zadd(k.files_of(owner), {file_id: now})
             if expires_at is not None:
                 p.expireat(k.file_content(file_id), expires_at)
                 p.expireat(k.file(file_id), expires_at)
             p.execute()
-        return self._file_object(meta)
+        return self.file_object(meta)
 
     def write_file(
         self,
@@ -105,6 +111,7 @@ class BatchStore:
         now: float,
         expires_at: int,
         pending_seconds: int = 3600,
+        owner: str = "",
     ) -> dict[str, Any] | None:
         """A file written piece by piece (a large batch's output, never whole in
         memory); None when ``chunks`` holds nothing. Until its record is written
@@ -129,18 +136,20 @@ class BatchStore:
         meta: dict[str, Any] = {
             "id": file_id, "object": "file", "bytes": size, "created_at": int(now),
             "filename": filename, "purpose": purpose, "status": "processed",
-            "expires_at": expires_at,
+            "expires_at": expires_at, **({"owner": owner} if owner else {}),
         }  # fmt: skip
         with self.r.pipeline() as p:
             p.hset(k.file(file_id), mapping={key: str(v) for key, v in meta.items()})
             p.zadd(k.files, {file_id: now})
+            if owner:
+                p.zadd(k.files_of(owner), {file_id: now})
             p.expireat(k.file_content(file_id), expires_at)
             p.expireat(k.file(file_id), expires_at)
             p.execute()
-        return self._file_object(meta)
+        return self.file_object(meta)
 
     @staticmethod
-    def _file_object(meta: dict[str, Any]) -> dict[str, Any]:
+    def file_object(meta: dict[str, Any]) -> dict[str, Any]:
         return {
             "id": meta["id"],
             "object": "file",
@@ -154,21 +163,30 @@ class BatchStore:
         }
 
     def get_file(self, file_id: str) -> dict[str, Any] | None:
+        record = self.file_record(file_id)
+        return None if record is None else self.file_object(record)
+
+    def file_record(self, file_id: str) -> dict[str, str] | None:
+        """A file's stored record (its ``owner`` too); None if there is none."""
         raw = self.r.hgetall(self.keys.file(file_id))
         if not raw:
             return None
-        return self._file_object({as_text(a): as_text(b) for a, b in raw.items()})
+        return {as_text(a): as_text(b) for a, b in raw.items()}
 
     def file_content(self, file_id: str) -> bytes | None:
         data = self.r.get(self.keys.file_content(file_id))
         return None if data is None else bytes(data)
 
-    def list_files(self, purpose: str | None = None) -> list[dict[str, Any]]:
-        ids = [as_text(x) for x in self.r.zrevrange(self.keys.files, 0, 9999)]
+    def list_files(
+        self, purpose: str | None = None, owner: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The newest 10,000 files (of tenant ``owner``; None: of everyone)."""
+        index = self.keys.files if owner is None else self.keys.files_of(owner)
+        ids = [as_text(x) for x in self.r.zrevrange(index, 0, 9999)]
         found = {i: self.get_file(i) for i in ids}
         gone = [i for i, f in found.items() if f is None]
-        if gone:  # expired batch outputs: forget their ids too
-            self.r.zrem(self.keys.files, *gone)
+        if gone:  # expired files: forget their ids too
+            self.r.zrem(index, *gone)
         files = [f for f in found.values() if f is not None]
         return [f for f in files if purpose is None or f["purpose"] == purpose]
 
@@ -193,10 +211,13 @@ class BatchStore:
 
     def delete_file(self, file_id: str) -> bool:
         k = self.keys
+        owner = self.r.hget(k.file(file_id), "owner")
         with self.r.pipeline() as p:
             p.delete(k.file(file_id), k.file_content(file_id))
             p.zrem(k.files, file_id)
-            deleted, _ = p.execute()
+            if owner:
+                p.zrem(k.files_of(as_text(owner)), file_id)
+            deleted = p.execute()[0]
         return bool(deleted)
 
     # -- batches ------------------------------------------------------------
@@ -216,7 +237,8 @@ class BatchStore:
             for start in range(0, len(lines), 1000):
                 items, pending = [], []
                 for job_id, custom_id, kind, request in lines[start : start + 1000]:
-                    fields = self.store.job_fields(job_id, kind, request, BATCH_LEVEL, now)
+                    fields = self.store.job_fields(job_id, kind, request, BATCH_LEVEL, now,
+                                                   record.get("owner", ""))  # fmt: skip
                     fields.update(batch=batch_id, custom_id=custom_id)
                     p.hset(k.pending(job_id), mapping=fields)
                     items.append(json.dumps({"custom_id": custom_id, "job": job_id}))
@@ -228,13 +250,18 @@ class BatchStore:
                 p.rpush(k.batch_invalid(batch_id), *(json.dumps(x) for x in invalid))
             p.hset(k.batch(batch_id), mapping=record)
             p.zadd(k.batches, {batch_id: now})
+            if record.get("owner"):
+                p.zadd(k.batches_of(record["owner"]), {batch_id: now})
             p.execute()
 
     def create_record(self, record: dict[str, str], now: float) -> None:
-        """Store a batch's record alone (it is validated next; its lines come later)."""
+        """Store a batch's record alone (it is validated next; its lines come later).
+        A record with an ``owner`` is listed in its tenant's index too."""
         with self.r.pipeline(transaction=False) as p:
             p.hset(self.keys.batch(record["id"]), mapping=record)
             p.zadd(self.keys.batches, {record["id"]: now})
+            if record.get("owner"):
+                p.zadd(self.keys.batches_of(record["owner"]), {record["id"]: now})
             p.execute()
 
     def transition(self, batch_id: str, expected: str, fields: dict[str, str]) -> bool:
@@ -263,19 +290,23 @@ class BatchStore:
     def update(self, batch_id: str, fields: dict[str, str]) -> None:
         self.r.hset(self.keys.batch(batch_id), mapping=fields)
 
-    def list_ids(self, after: str | None, limit: int) -> tuple[list[str], bool]:
-        """Batch ids, newest first, after the id ``after``; and whether more follow."""
+    def list_ids(
+        self, after: str | None, limit: int, owner: str | None = None
+    ) -> tuple[list[str], bool]:
+        """Batch ids, newest first, after the id ``after``; and whether more follow
+        (of tenant ``owner``; None: of everyone)."""
+        index = self.keys.batches if owner is None else self.keys.batches_of(owner)
         start = 0
         if after is not None:
-            rank = self.r.zrevrank(self.keys.batches, after)
+            rank = self.r.zrevrank(index, after)
             if rank is None:
                 return [], False
             start = int(rank) + 1
-        ids = [as_text(x) for x in self.r.zrevrange(self.keys.batches, start, start + limit)]
+        ids = [as_text(x) for x in self.r.zrevrange(index, start, start + limit)]
         gone = [i for i, there in zip(ids, self._exist(ids), strict=True) if not there]
         if gone:  # past their retention: forget them here, and list the next ones
-            self.r.zrem(self.keys.batches, *gone)
-            return self.list_ids(after, limit)
+            self.r.zrem(index, *gone)
+            return self.list_ids(after, limit, owner)
         return ids[:limit], len(ids) > limit
 
     def _exist(self, batch_ids: list[str]) -> list[bool]:

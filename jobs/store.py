@@ -250,9 +250,16 @@ class Store:
     # -- web side ---------------------------------------------------------
 
     def job_fields(
-        self, job_id: str, kind: str, request: dict[str, Any], level: int, now: float
+        self,
+        job_id: str,
+        kind: str,
+        request: dict[str, Any],
+        level: int,
+        now: float,
+        owner: str = "",
     ) -> dict[str, str]:
-        """A new job's record, waiting since ``now``."""
+        """A new job's record, waiting since ``now``; ``owner`` is its creator's
+        tenant ('' without API keys: web/tenants.py)."""
         return {
             "id": job_id,
             "kind": kind,
@@ -267,13 +274,20 @@ class Store:
             "exec": "0",
             "preemptions": "0",
             **({"model_digest": self.model.digest} if self.model else {}),
+            **({"owner": owner} if owner else {}),
         }
 
     def enqueue(
-        self, job_id: str, kind: str, request: dict[str, Any], level: int, now: float
+        self,
+        job_id: str,
+        kind: str,
+        request: dict[str, Any],
+        level: int,
+        now: float,
+        owner: str = "",
     ) -> bool:
         """Store a new job and make it wait; False if the id is taken."""
-        fields = self.job_fields(job_id, kind, request, level, now)
+        fields = self.job_fields(job_id, kind, request, level, now, owner)
         score = fields["score"]
         flat = [x for kv in fields.items() for x in kv]
         k = self.keys

@@ -143,6 +143,21 @@ class Keys:
         """String holding one file's bytes."""
         return f"{self.base}:file:{file_id}:content"
 
+    def files_of(self, tenant: str) -> str:
+        """Sorted set of one tenant's file ids (see :attr:`files`; lists of a
+        tenant read it). Bound: as :attr:`files`."""
+        return f"{self.base}:files:of:{tenant}"
+
+    def batches_of(self, tenant: str) -> str:
+        """Sorted set of one tenant's batch ids (see :attr:`batches`). Bound: as
+        :attr:`batches`."""
+        return f"{self.base}:batches:of:{tenant}"
+
+    def login_failures(self, address: str) -> str:
+        """Counter of a client address's failed dashboard sign-ins. Bound: expires a
+        minute after the first."""
+        return f"{self.base}:login:{address}"
+
     @property
     def batches(self) -> str:
         """Sorted set of batch ids scored by creation time. Bound: an ended batch's

@@ -8,17 +8,45 @@ command-line overrides, frozen, and passed down. Nothing else reads
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.keys import Keys
 from scheduler.policy import Policy
 from scheduler.preempt import PreemptPolicy
 
-__all__ = ["Settings", "cache_root", "data_root", "load_settings"]
+__all__ = ["ApiKey", "Settings", "cache_root", "data_root", "load_settings", "parse_keys"]
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One entry of PARKQ_API_KEYS or PARKQ_ADMIN_KEYS: ``key`` or ``name:key``."""
+
+    secret: str
+    name: str = ""
+    admin: bool = False
+
+
+def parse_keys(text: str | None, admin: bool = False) -> tuple[ApiKey, ...]:
+    """The keys of a comma-separated list; an entry ``name:key`` names its key
+    (the name is split at the first ``:``)."""
+    out = []
+    for entry in (text or "").split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        name, sep, secret = entry.partition(":")
+        if not sep:
+            name, secret = "", entry
+        name, secret = name.strip(), secret.strip()
+        if sep and not (name and secret):
+            raise ValueError(f"an API key entry '{name}:…' needs a name and a key: 'name:key'")
+        out.append(ApiKey(secret=secret, name=name, admin=admin))
+    return tuple(out)
 
 
 class Settings(BaseSettings):
@@ -127,8 +155,23 @@ class Settings(BaseSettings):
     # Web
     api_keys: str | None = Field(
         None,
-        description="Comma-separated API keys; when set, every route but /healthz needs "
-        "`Authorization: Bearer <key>`.",
+        description="Comma-separated API keys, each `key` or `name:key`; when set, every "
+        "route but /healthz needs `Authorization: Bearer <key>`, and each key sees only the "
+        "jobs, files and batches it created (keys under one name are one tenant: rotate a "
+        "key by adding the new one under the same name).",
+    )
+    admin_keys: str | None = Field(
+        None,
+        description="Comma-separated admin keys (`key` or `name:key`): they open every route "
+        "like API keys and see every tenant's jobs, files and batches (the dashboard shows "
+        "them all).",
+    )
+    trusted_proxies: int = Field(
+        0,
+        ge=0,
+        description="Reverse proxies in front of `parkq web` whose X-Forwarded-For and "
+        "X-Forwarded-Proto headers are trusted (the client address for sign-in limits, HTTPS "
+        "for the dashboard cookie's Secure flag); 0 trusts none.",
     )
     host: str = Field("127.0.0.1", description="Address the web server binds.")
     port: int = Field(8000, ge=0, le=65535, description="Port the web server binds.")
@@ -256,9 +299,21 @@ class Settings(BaseSettings):
     log_level: str = Field("INFO", description="Python logging level.")
     log_format: Literal["text", "json"] = Field("text", description="'text' or 'json' logs.")
 
+    @field_validator("api_keys", "admin_keys")
+    @classmethod
+    def _key_list(cls, v: str | None) -> str | None:
+        parse_keys(v)  # a malformed entry stops the process at start, with the reason
+        return v
+
+    @property
+    def api_key_entries(self) -> tuple[ApiKey, ...]:
+        """Every key that opens the API: the API keys, then the admin keys."""
+        return parse_keys(self.api_keys) + parse_keys(self.admin_keys, admin=True)
+
     @property
     def api_key_list(self) -> tuple[str, ...]:
-        return tuple(k.strip() for k in (self.api_keys or "").split(",") if k.strip())
+        """The secrets of :attr:`api_key_entries`."""
+        return tuple(k.secret for k in self.api_key_entries)
 
     @property
     def keys(self) -> Keys:

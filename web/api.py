@@ -34,6 +34,7 @@ from web.schemas import (
     _Common,
     parse,
 )
+from web.tenants import caller, sees
 
 __all__ = ["bp"]
 
@@ -79,26 +80,33 @@ def choice_id(response_id: str, i: int) -> str:
 
 def _enqueue(job_id: str, gen: GenerationRequest, level: int) -> str:
     runtime = current()
+    who = caller()
     runtime.rq.create(job_id, f"{gen.kind} {len(gen.prompt_ids)}+{gen.max_tokens} tokens")
     try:
-        runtime.store.enqueue(job_id, gen.kind, gen.to_json(), level, time.time())
+        runtime.store.enqueue(job_id, gen.kind, gen.to_json(), level, time.time(), who.tenant)
     except QueueFull:
         runtime.rq.delete(job_id)
         limit = runtime.settings.max_queue
         raise TooManyRequests(
             f"The queue is full ({limit} waiting jobs); retry later.", retry_after=2
         ) from None
-    current_app.logger.info("job %s: queued (priority %d)", job_id, level)
+    if who.label:
+        runtime.store.telemetry.count(f"requests_by_key:{who.label}")
+        current_app.logger.info("job %s: queued (priority %d) for %s", job_id, level, who.label)
+    else:
+        current_app.logger.info("job %s: queued (priority %d)", job_id, level)
     return job_id
 
 
 def _jobs_of(response_id: str) -> list[str]:
-    """The jobs of a response: itself, or its choices' (``n`` > 1); [] if none."""
+    """The jobs of a response: itself, or its choices' (``n`` > 1); [] if none,
+    or if they are another tenant's (web/tenants.py)."""
     store = current().store
-    if store.r.exists(store.keys.job(response_id)):
-        return [response_id]
-    first = store.r.hget(store.keys.job(choice_id(response_id, 0)), "request")
-    if first is None:
+    owner, state = store.r.hmget(store.keys.job(response_id), ["owner", "state"])
+    if state is not None:
+        return [response_id] if sees(owner) else []
+    first, owner = store.r.hmget(store.keys.job(choice_id(response_id, 0)), ["request", "owner"])
+    if first is None or not sees(owner):
         return []
     n = int(json.loads(first).get("choices", 1))
     return [choice_id(response_id, i) for i in range(n)]

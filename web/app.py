@@ -6,6 +6,7 @@ from pathlib import Path
 
 import redis
 from flask import Flask
+from werkzeug.middleware.proxy_fix import ProxyFix
 
 from jobs.rqjobs import RQBridge
 from jobs.store import Store
@@ -47,6 +48,9 @@ def create_app(
         vocab = loaded
 
     app = Flask(__name__)
+    if settings.trusted_proxies:
+        n = settings.trusted_proxies
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=n, x_proto=n)  # type: ignore[method-assign]
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.extensions["parkq"] = Runtime(
@@ -58,7 +62,7 @@ def create_app(
         identity=identity,
     )
     errors.init_app(app)
-    auth.init_app(app, settings.api_key_list)
+    auth.init_app(app, settings.api_key_entries)
     from web.api import bp
     from web.batches import bp as batches_bp
     from web.dashboard import bp as dashboard_bp

@@ -30,6 +30,7 @@ from web.intake import chat_job, check_model, completion_job, read_body, unencod
 from web.responses import assemble
 from web.runtime import current
 from web.schemas import ChatRequest, CompletionRequest, parse
+from web.tenants import caller, sees
 
 __all__ = ["bp"]
 
@@ -144,7 +145,13 @@ def create_batch() -> Any:
         "errors": "[]",
         "status": "validating",
     }
+    who = caller()
+    if who.tenant:
+        record["owner"] = who.tenant
     batches.create_record(record, now)
+    if who.label:
+        batches.store.telemetry.count(f"requests_by_key:{who.label}")
+        current_app.logger.info("batch %s: created for %s", batch_id, who.label)
     _start_validation(batches, batch_id)
     return jsonify(_batch_object(batches, batch_id))
 
@@ -182,7 +189,12 @@ def _validate(app: Any, batch_id: str) -> None:
 
 def _validate_lines(batches: BatchStore, batch_id: str) -> None:
     record = _batch(batches, batch_id)
-    content = batches.file_content(record["input_file_id"]) or b""
+    content = batches.file_content(record["input_file_id"])
+    if content is None:
+        raise LookupError(
+            f"The input file '{record['input_file_id']}' was deleted (or expired) before "
+            "the batch's lines were read."
+        )
     lines: list[tuple[str, str, str, dict[str, Any]]] = []
     invalid: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
@@ -203,8 +215,9 @@ def _validate_lines(batches: BatchStore, batch_id: str) -> None:
     for job_id, _, kind, gen_json in lines:
         runtime.rq.create(job_id, f"batch {batch_id}: {kind} {len(gen_json['prompt_ids'])} tokens")
     now = time.time()
+    owner = {"owner": record["owner"]} if record.get("owner") else {}
     batches.create_batch(
-        {"id": batch_id, "invalid": str(len(invalid)), "errors": json.dumps(errors)},
+        {"id": batch_id, "invalid": str(len(invalid)), "errors": json.dumps(errors), **owner},
         lines,
         invalid,
         now,
@@ -228,8 +241,9 @@ def _validate_lines(batches: BatchStore, batch_id: str) -> None:
 
 
 def _batch(batches: BatchStore, batch_id: str) -> dict[str, str]:
+    """The batch's record; 404 if there is none, or it is another tenant's."""
     record = batches.get(batch_id)
-    if record is None:
+    if record is None or not sees(record.get("owner")):
         raise NotFound(f"No batch with id '{batch_id}'.", param="batch_id")
     return record
 
@@ -394,8 +408,9 @@ def _finalize(
                 yield "".join(piece).encode()
 
         expires = int(time.time()) + batches.settings.batch_retention_seconds
+        owner = record.get("owner", "")
         written = batches.write_file(f"{batch_id}_output.jsonl", "batch_output", output(),
-                                     time.time(), expires)  # fmt: skip
+                                     time.time(), expires, owner=owner)  # fmt: skip
         completed, failed = counts["completed"], counts["failed"]
         fields = {
             "total": str(len(items) + int(record["invalid"])),
@@ -407,7 +422,7 @@ def _finalize(
         if err:
             content = "".join(json.dumps(x) + "\n" for x in err).encode()
             meta = batches.create_file(f"{batch_id}_error.jsonl", "batch_output", content,
-                                       time.time(), expires_at=expires)  # fmt: skip
+                                       time.time(), expires_at=expires, owner=owner)  # fmt: skip
             fields["error_file_id"] = meta["id"]
         if record["status"] == "failed":
             fields["status"] = "failed"
@@ -443,7 +458,9 @@ def listbatch_store() -> Any:
     if not 1 <= limit <= 100:
         raise BadRequest("limit must be between 1 and 100.", param="limit")
     batches = batch_store()
-    ids, more = batches.list_ids(request.args.get("after"), limit)
+    who = caller()
+    ids, more = batches.list_ids(request.args.get("after"), limit,
+                                 None if who.admin else who.tenant)  # fmt: skip
     data = [_batch_object(batches, i) for i in ids]
     return jsonify({
         "object": "list",

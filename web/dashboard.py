@@ -10,15 +10,28 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import time
 from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, redirect, request
 
 from scheduler.policy import priority_label
+from scheduler.settings import ApiKey
+from web.errors import TooManyRequests
 from web.runtime import current
+from web.tenants import caller, sees
 
-__all__ = ["COOKIE", "HEADER", "SESSION_SECONDS", "bp", "session_token", "session_valid"]
+__all__ = [
+    "COOKIE",
+    "HEADER",
+    "LOGIN_ATTEMPTS",
+    "LOGIN_WINDOW_SECONDS",
+    "SESSION_SECONDS",
+    "bp",
+    "session_key",
+    "session_token",
+]
 
 bp = Blueprint("dashboard", __name__)
 
@@ -28,29 +41,40 @@ HEADER = "X-Parkq-Dashboard"
 
 #: How long a dashboard sign-in lasts.
 SESSION_SECONDS = 12 * 3600
+#: Failed sign-ins one client address may make in LOGIN_WINDOW_SECONDS; past
+#: them it gets 429 with Retry-After until the window ends.
+LOGIN_ATTEMPTS = 10
+LOGIN_WINDOW_SECONDS = 60
+
+#: A cookie's expiry: ASCII digits only (``str.isdigit`` also takes ``²``,
+#: which ``int`` then refuses).
+_EXPIRY = re.compile(r"[0-9]{1,15}")
 
 
-def _keyring(keys: tuple[str, ...]) -> bytes:
-    """A digest of the whole key set: changing any key ends every session."""
-    return hashlib.sha256("\n".join(sorted(keys)).encode()).digest()
+def _keyring(keys: tuple[ApiKey, ...]) -> bytes:
+    """A digest of the whole key set: changing any key (or its name or role) ends
+    every session."""
+    entries = sorted(f"{k.admin:d}:{k.name}:{k.secret}" for k in keys)
+    return hashlib.sha256("\n".join(entries).encode()).digest()
 
 
-def session_token(key: str, keys: tuple[str, ...], expires: int) -> str:
+def session_token(key: ApiKey, keys: tuple[ApiKey, ...], expires: int) -> str:
     """The cookie value for a sign-in with ``key``: ``<expiry>.<keyed hash>``, never
     the key itself; it names its expiry and is bound to the current key set."""
     msg = b"parkq dashboard session|%d|" % expires + _keyring(keys)
-    return f"{expires}.{hmac.new(key.encode(), msg, hashlib.sha256).hexdigest()}"
+    return f"{expires}.{hmac.new(key.secret.encode(), msg, hashlib.sha256).hexdigest()}"
 
 
-def session_valid(token: str, keys: tuple[str, ...], now: float) -> bool:
-    """Whether ``token`` is an unexpired sign-in with one of ``keys``."""
+def session_key(token: str, keys: tuple[ApiKey, ...], now: float) -> ApiKey | None:
+    """The key ``token`` is an unexpired sign-in with; None if it is none."""
     expires_text, _, _ = token.partition(".")
-    if not expires_text.isdigit() or int(expires_text) < now:
-        return False
+    if not _EXPIRY.fullmatch(expires_text) or int(expires_text) < now:
+        return None
     expires = int(expires_text)
-    found = False
+    found: ApiKey | None = None
     for key in keys:  # every key, in constant time each
-        found |= hmac.compare_digest(token.encode(), session_token(key, keys, expires).encode())
+        if hmac.compare_digest(token.encode(), session_token(key, keys, expires).encode()):
+            found = found or key
     return found
 
 
@@ -61,16 +85,39 @@ def page() -> Any:
 
 @bp.post("/dashboard/login")
 def login() -> Any:
-    key = request.form.get("key", "")
-    keys = current().settings.api_key_list
-    if not any(hmac.compare_digest(key.encode(), k.encode()) for k in keys):
+    """Sign in with a key. A client address gets LOGIN_ATTEMPTS wrong keys a
+    minute; then 429 with Retry-After. The cookie is ``Secure`` when the page
+    came over HTTPS (or through a trusted proxy that says so:
+    PARKQ_TRUSTED_PROXIES)."""
+    runtime = current()
+    r, counter = runtime.store.r, runtime.settings.keys.login_failures(request.remote_addr or "-")
+    failures = int(r.get(counter) or 0)
+    if failures >= LOGIN_ATTEMPTS:
+        wait = max(1, int(r.ttl(counter)))
+        raise TooManyRequests(
+            f"Too many failed sign-ins from this address; retry in {wait} s.",
+            retry_after=wait,
+            code="too_many_sign_ins",
+        )
+    given = request.form.get("key", "")
+    keys = runtime.settings.api_key_entries
+    match: ApiKey | None = None
+    for key in keys:  # every key, in constant time each
+        if hmac.compare_digest(given.encode(), key.secret.encode()):
+            match = match or key
+    if match is None:
+        with r.pipeline() as p:
+            p.incr(counter)
+            p.expire(counter, LOGIN_WINDOW_SECONDS, nx=True)
+            p.execute()
         return redirect("/?login=failed", code=303)
     resp = redirect("/", code=303)
     expires = int(time.time()) + SESSION_SECONDS
     resp.set_cookie(
         COOKIE,
-        session_token(key, keys, expires),
+        session_token(match, keys, expires),
         httponly=True,
+        secure=request.is_secure,
         samesite="Strict",
         max_age=SESSION_SECONDS,
     )
@@ -79,15 +126,17 @@ def login() -> Any:
 
 @bp.get("/dashboard/state")
 def state() -> Response:
-    """Everything the page shows, in one snapshot."""
+    """Everything the page shows, in one snapshot. Another tenant's jobs show
+    without their ids (``id`` null): how busy the server is, not what others run."""
     store = current().store
     telemetry = store.telemetry
     now = time.time()
     waiting = telemetry.waiting(200)
-    rows = telemetry.job_rows(waiting, "priority", "state", "enqueued_at", "tokens", "kind")
+    rows = telemetry.job_rows(waiting, "priority", "state", "enqueued_at", "tokens", "kind",
+                              "owner")  # fmt: skip
     queue = [
         {
-            "id": job_id,
+            "id": job_id if sees(row["owner"]) else None,
             "priority": priority_label(int(row["priority"] or 0)),
             "state": row["state"] or "",
             "age": round(now - float(row["enqueued_at"] or now), 1),
@@ -109,16 +158,22 @@ def state() -> Response:
         if job := row["job"]:
             rec = store.get(job) or {}
             entry["job"] = {
-                "id": job,
+                "id": job if sees(rec.get("owner")) else None,
                 "priority": priority_label(int(rec.get("priority", "0"))),
                 "tokens": int(rec.get("tokens", "0")),
                 "state": rec.get("state"),
             }
         workers.append(entry)
+    preemptions = telemetry.recent_preemptions(30)
+    if not caller().admin:
+        owners = telemetry.job_rows([p["job"] for p in preemptions], "owner")
+        for entry, row in zip(preemptions, owners, strict=True):
+            if not sees(row["owner"]):
+                entry["job"] = None
     return jsonify({
         "now": now,
         "model": current().model_name,
         "queue": queue,
         "workers": workers,
-        "preemptions": store.telemetry.recent_preemptions(30),
+        "preemptions": preemptions,
     })  # fmt: skip

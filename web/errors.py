@@ -85,8 +85,8 @@ class TooManyRequests(APIError):
     type = "rate_limit_error"
     code = "queue_full"
 
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, retry_after: int, code: str | None = None) -> None:
+        super().__init__(message, code=code)
         self.retry_after = retry_after
 
 

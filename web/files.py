@@ -10,6 +10,7 @@ from flask import Blueprint, Response, jsonify, request
 from jobs.batches import BatchStore
 from web.errors import BadRequest, NotFound, PayloadTooLarge
 from web.runtime import current
+from web.tenants import caller, sees
 
 __all__ = ["batch_store", "bp", "file_meta"]
 
@@ -21,11 +22,12 @@ def batch_store() -> BatchStore:
 
 
 def file_meta(file_id: str) -> dict[str, Any]:
-    """A file's description; 404 if there is none."""
-    meta = batch_store().get_file(file_id)
-    if meta is None:
+    """A file's description; 404 if there is none, or it is another tenant's."""
+    store = batch_store()
+    record = store.file_record(file_id)
+    if record is None or not sees(record.get("owner")):
         raise NotFound(f"No file with id '{file_id}'.", param="file_id")
-    return meta
+    return store.file_object(record)
 
 
 @bp.post("/v1/files")
@@ -71,12 +73,16 @@ def upload_file() -> Any:
     ttl = settings.file_ttl_seconds
     expires = int(now + ttl) if ttl else None
     name = upload.filename or "batch.jsonl"
-    return jsonify(store.create_file(name, purpose, content, now, expires_at=expires))
+    meta = store.create_file(name, purpose, content, now, expires_at=expires,
+                             owner=caller().tenant)  # fmt: skip
+    return jsonify(meta)
 
 
 @bp.get("/v1/files")
 def list_files() -> Any:
-    files = batch_store().list_files(request.args.get("purpose"))
+    who = caller()
+    files = batch_store().list_files(request.args.get("purpose"),
+                                     None if who.admin else who.tenant)  # fmt: skip
     return jsonify({"object": "list", "data": files, "has_more": False})
 
 
@@ -96,6 +102,7 @@ def file_content(file_id: str) -> Any:
 
 @bp.delete("/v1/files/<file_id>")
 def delete_file(file_id: str) -> Any:
+    file_meta(file_id)
     if not batch_store().delete_file(file_id):
         raise NotFound(f"No file with id '{file_id}'.", param="file_id")
     return jsonify({"id": file_id, "object": "file", "deleted": True})

@@ -26,6 +26,7 @@ from jobs.stepclock import PARTS
 from jobs.store import Store
 from jobs.telemetry import BUCKETS_MS
 from scheduler.policy import priority_label
+from web.tenants import caller
 
 __all__ = ["METRICS", "bp"]
 
@@ -52,6 +53,11 @@ METRICS = {
     "parkq_park_latency_seconds": "Time to park a job (KV save, state, requeue).",
     "parkq_resume_latency_seconds": "Time from claiming a parked job to its KV restored.",
     "parkq_ttft_seconds": "Time from a job's arrival to its first token, by priority.",
+    "parkq_requests": (
+        "Requests accepted with API keys set (a completion or chat, n > 1 counting each "
+        "choice; a batch once), by the key's name (key-<8 hex> for an unnamed key); "
+        "shown to admin keys only."
+    ),
     "parkq_inter_token_latency_seconds": "Time between a job's consecutive tokens.",
 }
 _HISTOGRAMS = {
@@ -66,8 +72,9 @@ def _num(value: bytes | str | None) -> float:
 
 
 class RedisCollector(Collector):
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, by_key: bool) -> None:
         self.store = store
+        self.by_key = by_key
 
     def collect(self) -> Iterator[Metric]:
         store, telemetry = self.store, self.store.telemetry
@@ -130,6 +137,14 @@ class RedisCollector(Collector):
         for label in ("interactive", "batch", "other"):
             ttft.add_metric([label], *self._buckets(f"ttft_ms:{label}"))
         yield ttft
+        if self.by_key:
+            requests = CounterMetricFamily(
+                "parkq_requests", METRICS["parkq_requests"], labels=["key"]
+            )
+            for name, value in sorted(counters.items()):
+                if name.startswith("requests_by_key:"):
+                    requests.add_metric([name.removeprefix("requests_by_key:")], value)
+            yield requests
 
     def _buckets(self, field: str) -> tuple[list[tuple[str, float]], float]:
         raw = self.store.telemetry.histogram(field)
@@ -145,5 +160,5 @@ class RedisCollector(Collector):
 @bp.get("/metrics")
 def metrics() -> Response:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RedisCollector(current_app.extensions["parkq"].store))
+    registry.register(RedisCollector(current_app.extensions["parkq"].store, caller().admin))
     return Response(generate_latest(registry), mimetype="text/plain; version=0.0.4")

@@ -8,7 +8,7 @@ import fakeredis
 import pytest
 from flask import Flask
 
-from scheduler.settings import Settings
+from scheduler.settings import Settings, parse_keys
 from tests.fakes import FakeVocab
 from web.app import create_app
 
@@ -85,9 +85,9 @@ def test_a_dashboard_session_expires_and_ends_when_the_keys_change(
     headers = {"X-Parkq-Dashboard": "1"}
     assert client.get("/dashboard/state", headers=headers).status_code == 200
     # An expired token, even correctly made, is refused.
-    keys = ("key-one", "key-two")
+    keys = parse_keys("key-one, key-two")
     stale = client.__class__(app)
-    stale.set_cookie(COOKIE, session_token("key-one", keys, int(time.time()) - 1))
+    stale.set_cookie(COOKIE, session_token(keys[0], keys, int(time.time()) - 1))
     assert stale.get("/dashboard/state", headers=headers).status_code == 401
     # A server with another key set (key-two revoked) refuses the old session.
     rotated = create_app(
@@ -97,3 +97,56 @@ def test_a_dashboard_session_expires_and_ends_when_the_keys_change(
     ).test_client()
     rotated.set_cookie(COOKIE, token)
     assert rotated.get("/dashboard/state", headers=headers).status_code == 401
+
+
+def test_a_cookie_whose_expiry_is_not_ascii_digits_is_refused_not_a_500(app: Flask) -> None:
+    """``"²".isdigit()`` is True and ``int("²")`` raises: the expiry is parsed strictly."""
+    from web.dashboard import COOKIE
+
+    headers = {"X-Parkq-Dashboard": "1"}
+    for expiry in ("²", "١٢٣", "99999999999999999999999", "-1", "", " 1"):
+        client = app.test_client()
+        client.set_cookie(COOKIE, f"{expiry}.{'0' * 64}")
+        resp = client.get("/dashboard/state", headers=headers)
+        assert resp.status_code == 401, expiry
+
+
+def test_a_burst_of_wrong_keys_is_limited_per_address(app: Flask) -> None:
+    """Ten wrong keys a minute from one address; the eleventh attempt (right key or
+    not) gets 429 with Retry-After; another address is not held back."""
+    from web.dashboard import LOGIN_ATTEMPTS, LOGIN_WINDOW_SECONDS
+
+    client = app.test_client()
+    here = {"REMOTE_ADDR": "203.0.113.7"}
+    for _ in range(LOGIN_ATTEMPTS):
+        resp = client.post("/dashboard/login", data={"key": "wrong"}, environ_base=here)
+        assert resp.status_code == 303
+    for key in ("wrong", "key-one"):
+        resp = client.post("/dashboard/login", data={"key": key}, environ_base=here)
+        assert resp.status_code == 429
+        assert 1 <= int(resp.headers["Retry-After"]) <= LOGIN_WINDOW_SECONDS
+        assert resp.get_json()["error"]["code"] == "too_many_sign_ins"
+    there = {"REMOTE_ADDR": "203.0.113.8"}
+    resp = client.post("/dashboard/login", data={"key": "key-one"}, environ_base=there)
+    assert resp.status_code == 303 and resp.headers["Location"] == "/"
+
+
+def test_the_cookie_is_secure_over_https_and_behind_a_trusted_proxy(
+    settings: Settings, fake_redis: fakeredis.FakeRedis
+) -> None:
+    plain = create_app(settings.model_copy(update={"api_keys": "k"}), vocab=FakeVocab(),
+                       client=fake_redis).test_client()  # fmt: skip
+    assert "Secure" not in plain.post("/dashboard/login", data={"key": "k"}).headers["Set-Cookie"]
+    https = plain.post("/dashboard/login", data={"key": "k"}, base_url="https://localhost")
+    assert "Secure" in https.headers["Set-Cookie"]
+    # A proxy's word is taken only when the deployment says it has one.
+    forwarded = {"X-Forwarded-Proto": "https"}
+    resp = plain.post("/dashboard/login", data={"key": "k"}, headers=forwarded)
+    assert "Secure" not in resp.headers["Set-Cookie"]
+    proxied = create_app(
+        settings.model_copy(update={"api_keys": "k", "trusted_proxies": 1}),
+        vocab=FakeVocab(),
+        client=fake_redis,
+    ).test_client()
+    resp = proxied.post("/dashboard/login", data={"key": "k"}, headers=forwarded)
+    assert "Secure" in resp.headers["Set-Cookie"]

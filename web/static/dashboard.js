@@ -2,7 +2,8 @@
 "use strict";
 const HEADERS = { "X-Parkq-Dashboard": "1" };
 const $ = (id) => document.getElementById(id);
-const lastTokens = new Map();  // job id -> [tokens, time]
+const lastTokens = new Map();  // worker -> [job id, tokens, time]
+const OTHERS = "another key's job";  // a job whose id this key may not see
 
 function cell(text, cls) {
   const td = document.createElement("td");
@@ -13,11 +14,11 @@ function cell(text, cls) {
 
 function row(cells) { const tr = document.createElement("tr"); cells.forEach((c) => tr.appendChild(c)); return tr; }
 
-function rate(job, now) {
-  const prev = lastTokens.get(job.id);
-  lastTokens.set(job.id, [job.tokens, now]);
-  if (!prev || now <= prev[1]) return "";
-  return ((job.tokens - prev[0]) / (now - prev[1])).toFixed(1);
+function rate(worker, job, now) {
+  const prev = lastTokens.get(worker);
+  lastTokens.set(worker, [job.id, job.tokens, now]);
+  if (!prev || prev[0] !== job.id || now <= prev[2] || job.tokens < prev[1]) return "";
+  return ((job.tokens - prev[1]) / (now - prev[2])).toFixed(1);
 }
 
 function render(s) {
@@ -25,22 +26,22 @@ function render(s) {
   $("status").textContent = s.workers.length + " worker(s), " + s.queue.length + " waiting";
   $("workers").replaceChildren(...s.workers.map((w) => row([
     cell(w.name),
-    cell(w.job ? w.job.id : "idle", w.job ? "running" : ""),
+    cell(w.job ? (w.job.id ?? OTHERS) : "idle", w.job ? "running" : ""),
     cell(w.job ? w.job.priority : "", w.job ? w.job.priority : ""),
     cell(w.job ? String(w.job.tokens) : ""),
-    cell(w.job ? rate(w.job, s.now) : ""),
+    cell(w.job ? rate(w.name, w.job, s.now) : ""),
     cell((w.checkpoint_bytes / 1e6).toFixed(2) + " MB"),
   ])));
   $("queue").replaceChildren(...s.queue.map((j) => row([
-    cell(j.id), cell(j.state, j.state), cell(j.priority, j.priority), cell(j.age.toFixed(1)), cell(String(j.tokens)),
+    cell(j.id ?? OTHERS), cell(j.state, j.state), cell(j.priority, j.priority), cell(j.age.toFixed(1)), cell(String(j.tokens)),
   ])));
   $("preemptions").replaceChildren(...s.preemptions.slice(0, 12).map((p) => row([
-    cell(new Date(p.at * 1000).toLocaleTimeString()), cell(p.job), cell(p.tokens), cell(p.park_ms), cell(p.worker),
+    cell(new Date(p.at * 1000).toLocaleTimeString()), cell(p.job ?? OTHERS), cell(p.tokens), cell(p.park_ms), cell(p.worker),
   ])));
   const marks = s.preemptions.filter((p) => s.now - p.at < 300).map((p) => {
     const span = document.createElement("span");
     span.style.left = (100 * (1 - (s.now - p.at) / 300)).toFixed(2) + "%";
-    span.title = p.job;
+    span.title = p.job ?? OTHERS;
     return span;
   });
   $("timeline").replaceChildren(...marks);
