@@ -300,14 +300,25 @@ class Vocab:
         self._lock = threading.Lock()
         self._piece_cache: dict[int, bytes] = {}
         self._grammar_tokenizer: Any = None
+        self._control_texts: frozenset[str] | None = None
         self._formatter = self._chat_formatter(chat_format)
 
     def tokenize(
         self, text: str, *, add_bos: bool | None = None, special: bool = True
     ) -> list[int]:
         bos = self.add_bos if add_bos is None else add_bos
-        with self._lock:
-            return [int(t) for t in self.model.tokenize(text.encode(), bos, special)]
+        data = text.encode()
+        # One pass with room for every token (llama-cpp-python's own sizes its buffer
+        # by the training context and tokenizes a longer text twice). No lock:
+        # llama.cpp's tokenizer only reads the vocabulary, and ctypes lets go of the
+        # GIL, so a long prompt holds up no other request's tokenization.
+        room = 2 * len(data) + 8
+        while True:
+            buf = (llama_cpp.llama_token * room)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, room, bos, special)
+            if n >= 0:
+                return buf[:n]
+            room = -n
 
     def piece(self, token: int) -> bytes:
         """A token's bytes with control tokens spelled out (uncached: for digests)."""
@@ -365,6 +376,21 @@ class Vocab:
             | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
         )
         return bool(llama_cpp.llama_vocab_get_attr(self._vocab, token) & kinds)
+
+    def control_texts(self) -> frozenset[str]:
+        """The spellings that only special-token parsing turns into their token
+        (control and unknown tokens; user-defined ones, such as runs of spaces, are
+        parsed in plain text too): what no client text may produce."""
+        if self._control_texts is None:
+            kinds = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+            found = set()
+            for t in range(self.n_vocab):
+                if llama_cpp.llama_vocab_get_attr(self._vocab, t) & kinds:
+                    piece = self.piece(t).decode("utf-8", errors="replace")
+                    if piece:
+                        found.add(piece)
+            self._control_texts = frozenset(found)
+        return self._control_texts
 
     def chat_prompt(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None

@@ -39,6 +39,9 @@ class FakeVocab:
     def is_control(self, token: int) -> bool:
         return token == EOS
 
+    def control_texts(self) -> frozenset[str]:
+        return frozenset()  # EOS has no spelling
+
 
 class FakeEngine(FakeVocab):
     """Follows a script when given one, else picks tokens from a hash of the context.

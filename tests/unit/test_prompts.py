@@ -35,6 +35,9 @@ class _Vocab:
     def is_control(self, token: int) -> bool:
         return token == CTL
 
+    def control_texts(self) -> frozenset[str]:
+        return frozenset({"<ctl>"})
+
 
 @pytest.mark.parametrize("render", [lambda c: c, lambda c: c.strip(), lambda c: c.upper()])
 def test_message_text_is_plain_text_and_the_rest_unchanged(render: Any) -> None:
