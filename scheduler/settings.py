@@ -175,7 +175,18 @@ class Settings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="Address the web server binds.")
     port: int = Field(8000, ge=0, le=65535, description="Port the web server binds.")
-    web_threads: int = Field(64, ge=1, description="Web server threads (one per open stream).")
+    max_streams: int = Field(
+        512,
+        ge=1,
+        description="Most open SSE streams and waiting non-streamed requests the web serves "
+        "at once; past it a new one gets 503 with Retry-After (before any job is queued).",
+    )
+    web_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Web server threads; default PARKQ_MAX_STREAMS + 32 (each open stream "
+        "holds one; the 32 answer /healthz and every short request meanwhile).",
+    )
     max_body_bytes: int = Field(1 << 20, ge=1, description="Largest accepted request body.")
     disconnect_grace_seconds: float = Field(
         10.0,

@@ -37,19 +37,22 @@ def resolve_model(settings: Settings) -> Settings:
 
 
 def redact(url: str | None) -> str:
-    """``url`` with its password (if any) replaced by ``***``, for output and logs."""
-    from urllib.parse import urlsplit, urlunsplit
+    """``url`` with its passwords (if any) replaced by ``***``, for output and logs
+    (a Sentinel URL's several hosts and ``sentinel_password`` too)."""
+    import re
 
     if not url:
         return ""
-    parts = urlsplit(url)
-    if parts.password is None:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    netloc, slash, tail = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{user}:***@{hosts}" if colon else netloc
+    tail = re.sub(r"((?:^|[?&])sentinel_password=)[^&]*", r"\1***", tail)
+    return f"{scheme}{sep}{netloc}{slash}{tail}"
 
 
 def preflight(settings: Settings) -> None:
@@ -84,9 +87,11 @@ def check_redis(url: str) -> None:
     """Ping Redis at ``url``; a one-line error saying what to fix if it does not answer."""
     import redis
 
+    from jobs.connect import connect
+
     shown = redact(url)
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+        client = connect(url, socket_connect_timeout=5, socket_timeout=5)
     except ValueError as exc:
         raise click.ClickException(f"{shown} is not a Redis URL: {exc}") from None
     try:

@@ -216,11 +216,11 @@ class Stack:
         heartbeats are expired here, so the first worker's reap requeues them
         (to resume by replay) instead of after the worker TTL.
         """
-        import redis
 
+        from jobs.connect import connect
         from jobs.store import Store
 
-        client = redis.Redis.from_url(self.settings.redis_url or "")
+        client = connect(self.settings.redis_url or "")
         try:
             Store(client, self.settings).workers.expire_all()
         finally:
@@ -229,7 +229,9 @@ class Stack:
     def _wait_redis(self, timeout: float = 20.0) -> None:
         import redis
 
-        client = redis.Redis.from_url(self.settings.redis_url or "")
+        from jobs.connect import connect
+
+        client = connect(self.settings.redis_url or "")
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -1,4 +1,5 @@
-"""Serve the Flask app with gunicorn: one process, a thread per open stream."""
+"""Serve the Flask app with gunicorn: one process, a thread per open stream
+(PARKQ_MAX_STREAMS of them, web/slots.py) and spare threads for the rest."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from gunicorn.app.base import BaseApplication
 
 from scheduler.settings import Settings
 from tools.logs import formatter
+from web.slots import SPARE_THREADS
 
 __all__ = ["serve"]
 
@@ -36,7 +38,10 @@ class _Gunicorn(BaseApplication):  # type: ignore[misc]
             "bind": f"{s.host}:{s.port}",
             "workers": 1,
             "worker_class": "gthread",
-            "threads": s.web_threads,
+            "threads": s.web_threads or s.max_streams + SPARE_THREADS,
+            # Connections gunicorn accepts and queues for a thread: every stream
+            # slot and spare thread, and some waiting beyond.
+            "worker_connections": max(1000, (s.web_threads or s.max_streams + SPARE_THREADS) + 256),
             "timeout": 60,
             "graceful_timeout": 5,
             "keepalive": 5,

@@ -10,9 +10,9 @@ import signal
 from typing import Any
 
 import click
-import redis
 
 from jobs.capacity import sequence_plan
+from jobs.connect import connect
 from jobs.engine import LlamaEngine, NotRepeatable, build_info
 from jobs.identity import identify
 from jobs.kernels import invariant_batch_size, worker_kernels
@@ -94,7 +94,7 @@ def run_worker(settings: Settings) -> None:
         device=engine.device,
     )  # fmt: skip
     name = settings.worker_name or default_worker_name()
-    client = redis.Redis.from_url(
+    client = connect(
         settings.redis_url or "",
         health_check_interval=30,
         client_name=settings.keys.client_name(name),  # its liveness: see Worker

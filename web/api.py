@@ -113,15 +113,26 @@ def _jobs_of(response_id: str) -> list[str]:
 
 
 def _run(prefix: str, req: _Common, level: int, gen: GenerationRequest) -> Any:
-    response_id = _submit(prefix, gen, level, req.n)
+    # A slot first (503 past PARKQ_MAX_STREAMS): no job is queued for a request
+    # the server has no room to answer.
+    release = current().slots.take()
+    try:
+        response_id = _submit(prefix, gen, level, req.n)
+    except BaseException:
+        release()
+        raise
     jobs = [response_id] if req.n == 1 else [choice_id(response_id, i) for i in range(req.n)]
     if req.stream:
-        return stream(response_id, jobs, [0] * len(jobs))
+        resp = stream(response_id, jobs, [0] * len(jobs))
+        resp.call_on_close(release)  # the stream ended, or its client left
+        return resp
     try:
         return jsonify(aggregate(response_id, jobs, gen))
     except ClientGone:
         # Nobody is left to read an answer (499: the client closed the request).
         return Response(status=499)
+    finally:
+        release()
 
 
 # -- routes -------------------------------------------------------------------
@@ -330,7 +341,14 @@ def job_events(job_id: str) -> Any:
     pairs = list(zip(ends, after, strict=True))
     if any(e is not None and e.expired and a < e.final_seq for e, a in pairs):
         raise Gone(expired_message(job_id, ends))
-    return stream(job_id, jobs, after)
+    release = current().slots.take()
+    try:
+        resp = stream(job_id, jobs, after)
+    except BaseException:
+        release()
+        raise
+    resp.call_on_close(release)
+    return resp
 
 
 def expired_message(job_id: str, ends: list[Ending | None]) -> str:

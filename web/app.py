@@ -8,11 +8,13 @@ import redis
 from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
+from jobs.connect import connect
 from jobs.rqjobs import RQBridge
 from jobs.store import Store
 from scheduler.settings import Settings
 from web import auth, errors
 from web.runtime import Runtime, VocabLike
+from web.slots import SPARE_THREADS, Slots
 
 __all__ = ["create_app", "model_name"]
 
@@ -34,7 +36,12 @@ def create_app(
     if client is None:
         if not settings.redis_url:
             raise ValueError("PARKQ_REDIS_URL is required")
-        client = redis.Redis.from_url(settings.redis_url, health_check_interval=30)
+        # Each web thread holds at most one connection at a time, and an open stream
+        # a pub/sub connection beside it (redis-py's pool stops at 100 by default).
+        threads = settings.web_threads or settings.max_streams + SPARE_THREADS
+        client = connect(
+            settings.redis_url, health_check_interval=30, max_connections=2 * threads + 64
+        )
     identity = None
     if vocab is None:
         if not settings.model:
@@ -60,6 +67,7 @@ def create_app(
         vocab=vocab,
         model_name=model_name(settings),
         identity=identity,
+        slots=Slots(settings.max_streams),
     )
     errors.init_app(app)
     auth.init_app(app, settings.api_key_entries)

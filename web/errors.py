@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis
 from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
@@ -14,6 +15,7 @@ __all__ = [
     "ContextLengthExceeded",
     "NotFound",
     "PayloadTooLarge",
+    "ServerBusy",
     "TooManyRequests",
     "Unauthorized",
     "error_body",
@@ -90,6 +92,18 @@ class TooManyRequests(APIError):
         self.retry_after = retry_after
 
 
+class ServerBusy(APIError):
+    """Every slot for an open stream or waiting request is taken (PARKQ_MAX_STREAMS)."""
+
+    status = 503
+    type = "server_error"
+    code = "server_busy"
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class ModelMismatch(APIError):
     """The live workers serve another model than the one this server tokenizes for."""
 
@@ -111,9 +125,18 @@ def init_app(app: Flask) -> None:
     @app.errorhandler(APIError)
     def _api_error(exc: APIError) -> Any:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
-        if isinstance(exc, TooManyRequests):
+        if isinstance(exc, (TooManyRequests, ServerBusy)):
             headers["Retry-After"] = str(exc.retry_after)
         return jsonify(exc.body()), exc.status, headers
+
+    @app.errorhandler(redis.RedisError)
+    def _redis_error(exc: redis.RedisError) -> Any:
+        # Redis down, failing over, refusing writes or out of connections: the
+        # request did not happen (or its job waits in Redis); the client retries.
+        app.logger.warning("Redis: %s: %s", type(exc).__name__, exc)
+        body = error_body("The job store (Redis) is unavailable; retry shortly.",
+                          "server_error", None, "store_unavailable")  # fmt: skip
+        return jsonify(body), 503, {"Retry-After": "1"}
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Any:

@@ -12,6 +12,7 @@ from jobs.identity import ModelIdentity
 from jobs.rqjobs import RQBridge
 from jobs.store import Store
 from scheduler.settings import Settings
+from web.slots import Slots
 
 __all__ = ["Fleet", "Runtime", "VocabLike", "current"]
 
@@ -57,6 +58,8 @@ class Runtime:
     #: The model the vocabulary came from (None when a test passes a vocabulary).
     identity: ModelIdentity | None = None
     started: int = field(default_factory=lambda: int(time.time()))
+    #: Open streams and waiting requests (PARKQ_MAX_STREAMS).
+    slots: Slots = field(default_factory=lambda: Slots(512))
     _fleet: tuple[float, Fleet] | None = field(default=None, repr=False)
 
     def fleet(self, fresh: bool = False) -> Fleet:

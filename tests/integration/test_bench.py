@@ -61,3 +61,20 @@ def test_quick_bench_writes_a_complete_report(tmp_path: Path) -> None:
         assert png.startswith(b"\x89PNG") and len(png) > 10_000
     assert "ttft_no_preempt_over_preempt_p50" in run.stdout
     assert "sampling default" in run.stdout
+
+
+def test_the_streams_benchmark_runs_and_reports_the_refusal(tmp_path: Path) -> None:
+    """`python -m tools.bench.streams` at a small size: every stream opens, the
+    one past the cap is refused with 503, and the slots come back."""
+    out = tmp_path / "streams.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "tools.bench.streams", "--streams", "16", "--hold", "1",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["one_more"]["status"] == 503 and report["one_more"]["code"] == "server_busy"
+    assert report["slots_back_after_close"] is True
+    assert report["healthz_while_open"]["n"] > 0 and not report["probe_failures"]
+    assert report["web_threads"] >= 16

@@ -82,3 +82,22 @@ def test_absurd_values_get_400_and_create_no_job(
     assert error["type"] == "invalid_request_error" and error["message"]
     assert fake_redis.zcard("{parkq}:queue") == 0
     assert fake_redis.llen("rq:queue:parkq") == 0
+
+
+def test_redis_unavailable_is_a_503_never_a_500(settings: Settings) -> None:
+    """Redis refusing connections (down, failing over, out of connections): the
+    request answers 503 with Retry-After, in OpenAI's error body."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2,
+                       retry=Retry(NoBackoff(), 0))  # fmt: skip
+    client = create_app(settings, vocab=FakeVocab(), client=dead).test_client()
+    for method, path, body in (("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                               ("GET", "/v1/jobs/some-job", None),
+                               ("GET", "/v1/files", None)):  # fmt: skip
+        resp = client.open(path, method=method, json=body)
+        assert resp.status_code == 503, (path, resp.status_code, resp.get_data()[:200])
+        assert resp.get_json()["error"]["code"] == "store_unavailable"
+        assert resp.headers["Retry-After"] == "1"
