@@ -220,6 +220,26 @@ class BatchStore:
             deleted = p.execute()[0]
         return bool(deleted)
 
+    def prune_indexes(self) -> int:
+        """Drop from every tenant's file and batch index the ids whose records are
+        gone (expired, deleted); how many. The all-tenant indexes are pruned as
+        they are read."""
+        k = self.keys
+        dropped = 0
+        for pattern, record in ((k.files_of("*"), k.file), (k.batches_of("*"), k.batch)):
+            for index in self.r.scan_iter(match=pattern, count=1000):
+                ids = [as_text(x) for x in self.r.zrange(index, 0, -1)]
+                for start in range(0, len(ids), 1000):
+                    chunk = ids[start : start + 1000]
+                    with self.r.pipeline(transaction=False) as p:
+                        for item in chunk:
+                            p.exists(record(item))
+                        there = p.execute()
+                    gone = [i for i, n in zip(chunk, there, strict=True) if not n]
+                    if gone:
+                        dropped += int(self.r.zrem(index, *gone))
+        return dropped
+
     # -- batches ------------------------------------------------------------
 
     def create_batch(

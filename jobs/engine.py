@@ -300,7 +300,7 @@ class Vocab:
         self._lock = threading.Lock()
         self._piece_cache: dict[int, bytes] = {}
         self._grammar_tokenizer: Any = None
-        self._control_texts: frozenset[str] | None = None
+        self._control_texts: tuple[frozenset[str], frozenset[str], frozenset[str]] | None = None
         self._formatter = self._chat_formatter(chat_format)
 
     def tokenize(
@@ -381,15 +381,31 @@ class Vocab:
         """The spellings that only special-token parsing turns into their token
         (control and unknown tokens; user-defined ones, such as runs of spaces, are
         parsed in plain text too): what no client text may produce."""
+        return self._controls()[0]
+
+    def control_strips(self) -> tuple[frozenset[str], frozenset[str]]:
+        """The control spellings that strip the whitespace before them, and those
+        that strip the whitespace after them (llama.cpp's LSTRIP and RSTRIP)."""
+        _, left, right = self._controls()
+        return left, right
+
+    def _controls(self) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
         if self._control_texts is None:
             kinds = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
-            found = set()
+            found: tuple[set[str], set[str], set[str]] = (set(), set(), set())
             for t in range(self.n_vocab):
-                if llama_cpp.llama_vocab_get_attr(self._vocab, t) & kinds:
-                    piece = self.piece(t).decode("utf-8", errors="replace")
-                    if piece:
-                        found.add(piece)
-            self._control_texts = frozenset(found)
+                attr = llama_cpp.llama_vocab_get_attr(self._vocab, t)
+                if not attr & kinds:
+                    continue
+                piece = self.piece(t).decode("utf-8", errors="replace")
+                if not piece:
+                    continue
+                found[0].add(piece)
+                if attr & llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP:
+                    found[1].add(piece)
+                if attr & llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP:
+                    found[2].add(piece)
+            self._control_texts = (frozenset(found[0]), frozenset(found[1]), frozenset(found[2]))
         return self._control_texts
 
     def chat_prompt(

@@ -11,15 +11,23 @@ text, and only the template's own text is parsed for control tokens.
 
 A client string is *risky* when it spells a control token, or could form one
 with the template's text around it (it is part of a control token's text, or
-starts with the end of one, or ends with the start of one); this is a search
-of the vocabulary's control-token spellings, not a tokenization. A request
+starts with the end of one, or ends with the start of one); this is a lookup
+in the vocabulary's control-token spellings, not a tokenization. A request
 with no risky string (nearly all) gives exactly the ids of the whole rendered
 prompt, tokenized once. Otherwise the template is rendered once more with each
 risky string between markers (private-use characters, also found where a
 template wrote the string as JSON: ``\\ue000``), which locate those strings in
-the rendered prompt; the pieces between markers are tokenized as plain text.
-A template that cuts, repeats or otherwise transforms such a string, so that
-the markers do not come back in pairs, is refused rather than guessed at.
+the rendered prompt. The prompt is then tokenized as llama.cpp's special-token
+parsing does it, but with only the template's control tokens as specials: the
+text between two of them (template text and client text alike) is one piece
+of plain text, so a request whose risky strings hold no control token gets the
+same ids as the whole prompt, and one that holds some gets them as text. A
+template that cuts, repeats or otherwise transforms such a string, so that the
+markers do not come back in pairs, is refused rather than guessed at.
+
+Only a message's ``role`` (validated to a few words) and the ``type`` of a tool
+or tool call that is exactly ``"function"`` are left unmarked (templates
+compare them); every other string, under any key, is client text.
 """
 
 from __future__ import annotations
@@ -29,16 +37,13 @@ import re
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-__all__ = ["Spellings", "chat_ids"]
+__all__ = ["Spellings", "chat_ids", "spellings"]
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters: markers around client text
 # A marker as written into the prompt, or as a template's JSON (``tojson``) writes it.
 _MARK = re.compile(
     r"(?:\ue000|\\ue000)(\d+)(?:\ue000|\\ue000)|(?:\ue001|\\ue001)(\d+)(?:\ue001|\\ue001)"
 )
-#: Fields whose value is not free text: validated to a few words (``role``) or a
-#: fixed tag (a tool's and a tool call's ``type``), compared by templates.
-_TAGS = ("role", "type")
 
 
 class ChatVocab(Protocol):
@@ -49,6 +54,7 @@ class ChatVocab(Protocol):
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> tuple[str, list[str]]: ...
     def control_texts(self) -> frozenset[str]: ...
+    def control_strips(self) -> tuple[frozenset[str], frozenset[str]]: ...
 
 
 class Spellings:
@@ -60,6 +66,10 @@ class Spellings:
         self.longest = max((len(t) for t in self.texts), default=0)
         self.prefixes = {t[:k] for t in self.texts for k in range(1, len(t))}
         self.suffixes = {t[k:] for t in self.texts for k in range(1, len(t))}
+        #: Every piece of every spelling (a string this short, inside one, risks
+        #: completing it with the template's text on both sides).
+        self.pieces = {t[i:j] for t in self.texts for i in range(len(t))
+                       for j in range(i + 1, len(t) + 1)}  # fmt: skip
         self.pattern = re.compile(_trie(self.texts)) if self.texts else None
 
     def risky(self, text: str) -> bool:
@@ -67,9 +77,9 @@ class Spellings:
         text around it."""
         if not text or self.pattern is None:
             return False
-        if self.pattern.search(text):
+        if len(text) < self.longest and text in self.pieces:
             return True
-        if len(text) < self.longest and any(text in t for t in self.texts):
+        if self.pattern.search(text):
             return True
         edge = min(len(text), self.longest - 1)
         return any(text[:k] in self.suffixes or text[-k:] in self.prefixes
@@ -113,32 +123,46 @@ def chat_ids(
     prompt, stops = vocab.chat_prompt(messages, tools)
     spell = spellings(vocab.control_texts())
     request = {"messages": messages, "tools": tools}
-    if not any(spell.risky(text) for text, _ in _texts(request)):
+    if not any(spell.risky(text) for text in _texts(request)):
         return vocab.tokenize(prompt, special=True), stops
-    ids: list[int] = []
-    for n, (text, from_template) in enumerate(_segments(vocab, request, prompt, spell)):
-        ids += vocab.tokenize(text, add_bos=None if n == 0 else False, special=from_template)
-    return ids, stops
+    pieces = _segments(vocab, request, prompt, spell)
+    return _tokenize(vocab, pieces, spell), stops
 
 
-def _texts(value: Any, tag: bool = False) -> Iterator[tuple[str, bool]]:
-    """Every client string in ``value`` (dict keys too): (text, is a tag value)."""
+def _tag(path: tuple[Any, ...], value: str) -> bool:
+    """Whether the string at ``path`` is a tag a template compares, not text: a
+    message's role, or a tool's or tool call's type ``function``."""
+    if len(path) == 3 and path[0] == "messages" and path[2] == "role":
+        return True
+    if value != "function":
+        return False
+    return (len(path) == 3 and path[0] == "tools" and path[2] == "type") or (
+        len(path) == 5 and path[0] == "messages" and path[2] == "tool_calls" and path[4] == "type"
+    )
+
+
+def _texts(value: Any, path: tuple[Any, ...] = ()) -> Iterator[str]:
+    """Every client string in ``value`` (dict keys too), tags (:func:`_tag`) left out."""
     if isinstance(value, str):
-        yield value, tag
+        if not _tag(path, value):
+            yield value
     elif isinstance(value, dict):
         for key, item in value.items():
             if isinstance(key, str):
-                yield key, False
-            yield from _texts(item, key in _TAGS)
+                yield key
+            yield from _texts(item, (*path, key))
     elif isinstance(value, list):
-        for item in value:
-            yield from _texts(item)
+        for i, item in enumerate(value):
+            yield from _texts(item, (*path, i))
 
 
-def _marked(value: Any, spell: Spellings, trim: bool, count: list[int], tag: bool = False) -> Any:
-    """``value`` with each risky client string between numbered markers."""
+def _marked(
+    value: Any, spell: Spellings, trim: bool, count: list[int], path: tuple[Any, ...] = ()
+) -> Any:
+    """``value`` with each risky client string (dict keys too) between numbered
+    markers; tags (:func:`_tag`) are left as they are."""
     if isinstance(value, str):
-        if tag or not spell.risky(value):
+        if _tag(path, value) or not spell.risky(value):
             return value
         i = count[0]
         count[0] += 1
@@ -146,20 +170,66 @@ def _marked(value: Any, spell: Spellings, trim: bool, count: list[int], tag: boo
     if isinstance(value, dict):
         return {
             (_marked(k, spell, trim, count) if isinstance(k, str) else k): _marked(
-                v, spell, trim, count, k in _TAGS
+                v, spell, trim, count, (*path, k)
             )
             for k, v in value.items()
         }
     if isinstance(value, list):
-        return [_marked(v, spell, trim, count) for v in value]
+        return [_marked(v, spell, trim, count, (*path, i)) for i, v in enumerate(value)]
     return value
+
+
+def _tokenize(vocab: ChatVocab, pieces: list[tuple[str, bool]], spell: Spellings) -> list[int]:
+    """The ids of the prompt cut into ``pieces``, as special-token parsing would
+    give them with the template's control tokens as the only specials: the text
+    between two of them is one piece of plain text; whitespace is stripped
+    beside a token that strips it, as llama.cpp does."""
+    assert spell.pattern is not None
+    lstrip, rstrip = vocab.control_strips()
+    ids: list[int] = []
+    fragment = ""
+    strip_next = False
+    first = True
+
+    def add(text: str) -> None:
+        nonlocal fragment, strip_next
+        if strip_next and not fragment:
+            text = text.lstrip()
+            strip_next = not text
+        fragment += text
+
+    def flush() -> None:
+        nonlocal fragment, first, ids
+        if fragment:
+            ids += vocab.tokenize(fragment, add_bos=None if first else False, special=False)
+            first = False
+        fragment = ""
+
+    for text, from_template in pieces:
+        if not from_template:
+            add(text)
+            continue
+        at = 0
+        for match in spell.pattern.finditer(text):
+            add(text[at : match.start()])
+            token = match.group(0)
+            if token in lstrip:
+                fragment = fragment.rstrip()
+            flush()
+            ids += vocab.tokenize(token, add_bos=None if first else False, special=True)
+            first = False
+            strip_next = token in rstrip
+            at = match.end()
+        add(text[at:])
+    flush()
+    return ids
 
 
 def _segments(
     vocab: ChatVocab, request: dict[str, Any], prompt: str, spell: Spellings
 ) -> list[tuple[str, bool]]:
     """``prompt`` cut into (text, comes from the template) pieces, in order."""
-    if any(_OPEN in t or _CLOSE in t or _MARK.search(t) for t, _ in _texts(request)):
+    if any(_OPEN in t or _CLOSE in t or _MARK.search(t) for t in _texts(request)):
         raise ValueError(
             "a request's text may not contain the characters U+E000 or U+E001 (nor their "
             "JSON escapes with a number) when it also holds a control token's text"

@@ -145,12 +145,13 @@ class Keys:
 
     def files_of(self, tenant: str) -> str:
         """Sorted set of one tenant's file ids (see :attr:`files`; lists of a
-        tenant read it). Bound: as :attr:`files`."""
+        tenant read it). Bound: as :attr:`files`; the janitor drops the ids of
+        files that are gone."""
         return f"{self.base}:files:of:{tenant}"
 
     def batches_of(self, tenant: str) -> str:
         """Sorted set of one tenant's batch ids (see :attr:`batches`). Bound: as
-        :attr:`batches`."""
+        :attr:`batches`; the janitor drops the ids of batches that are gone."""
         return f"{self.base}:batches:of:{tenant}"
 
     def login_failures(self, address: str) -> str:

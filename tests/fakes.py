@@ -42,6 +42,9 @@ class FakeVocab:
     def control_texts(self) -> frozenset[str]:
         return frozenset()  # EOS has no spelling
 
+    def control_strips(self) -> tuple[frozenset[str], frozenset[str]]:
+        return frozenset(), frozenset()
+
 
 class FakeEngine(FakeVocab):
     """Follows a script when given one, else picks tokens from a hash of the context.

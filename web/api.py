@@ -123,7 +123,11 @@ def _run(prefix: str, req: _Common, level: int, gen: GenerationRequest) -> Any:
         raise
     jobs = [response_id] if req.n == 1 else [choice_id(response_id, i) for i in range(req.n)]
     if req.stream:
-        resp = stream(response_id, jobs, [0] * len(jobs))
+        try:
+            resp = stream(response_id, jobs, [0] * len(jobs))
+        except BaseException:
+            release()
+            raise
         resp.call_on_close(release)  # the stream ended, or its client left
         return resp
     try:
@@ -330,8 +334,8 @@ def job_events(job_id: str) -> Any:
             f"Last-Event-ID must be an event id of this stream: {len(jobs)} integers, "
             "comma-separated (one per choice)."
         )
-    if min(after) < 0:
-        raise BadRequest("Last-Event-ID must not be negative.")
+    if min(after) < 0 or max(after) >= 2**63:
+        raise BadRequest("Last-Event-ID must be an event id: from 0 to 2^63 - 1.")
     store = current().store
     ends = [store.ending(j) for j in jobs]
     if all(e is not None and a >= e.final_seq for e, a in zip(ends, after, strict=True)):

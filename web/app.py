@@ -9,6 +9,7 @@ from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
 from jobs.connect import connect
+from jobs.prompts import spellings
 from jobs.rqjobs import RQBridge
 from jobs.store import Store
 from scheduler.settings import Settings
@@ -16,13 +17,28 @@ from web import auth, errors
 from web.runtime import Runtime, VocabLike
 from web.slots import SPARE_THREADS, Slots
 
-__all__ = ["create_app", "model_name"]
+__all__ = ["create_app", "model_name", "stream_slots"]
 
 
 def model_name(settings: Settings) -> str:
     if settings.model_alias:
         return settings.model_alias
     return Path(settings.model or "model").name.removesuffix(".gguf")
+
+
+def stream_slots(settings: Settings, app: Flask | None = None) -> int:
+    """PARKQ_MAX_STREAMS, or fewer when PARKQ_WEB_THREADS leaves no room for it:
+    SPARE_THREADS threads always stay free for /healthz and short requests."""
+    if settings.web_threads is None:
+        return settings.max_streams
+    room = max(1, settings.web_threads - SPARE_THREADS)
+    if room < settings.max_streams and app is not None:
+        app.logger.warning(
+            "PARKQ_WEB_THREADS=%d leaves room for %d open streams (PARKQ_MAX_STREAMS=%d): "
+            "%d threads stay free for /healthz and short requests",
+            settings.web_threads, room, settings.max_streams, SPARE_THREADS,
+        )  # fmt: skip
+    return min(settings.max_streams, room)
 
 
 def create_app(
@@ -67,8 +83,11 @@ def create_app(
         vocab=vocab,
         model_name=model_name(settings),
         identity=identity,
-        slots=Slots(settings.max_streams),
+        slots=Slots(stream_slots(settings, app)),
     )
+    # The control-token spellings chat prompts are checked against, built once
+    # here (about a second for a 262k-token vocabulary), not on a first request.
+    spellings(vocab.control_texts())
     errors.init_app(app)
     auth.init_app(app, settings.api_key_entries)
     from web.api import bp

@@ -91,8 +91,13 @@ def login() -> Any:
     PARKQ_TRUSTED_PROXIES)."""
     runtime = current()
     r, counter = runtime.store.r, runtime.settings.keys.login_failures(request.remote_addr or "-")
-    failures = int(r.get(counter) or 0)
-    if failures >= LOGIN_ATTEMPTS:
+    # Every attempt takes its place first (parallel guesses cannot all pass a
+    # read-then-write check); a right key gives its place back.
+    with r.pipeline() as p:
+        p.incr(counter)
+        p.expire(counter, LOGIN_WINDOW_SECONDS, nx=True)
+        attempts = int(p.execute()[0])
+    if attempts > LOGIN_ATTEMPTS:
         wait = max(1, int(r.ttl(counter)))
         raise TooManyRequests(
             f"Too many failed sign-ins from this address; retry in {wait} s.",
@@ -106,11 +111,8 @@ def login() -> Any:
         if hmac.compare_digest(given.encode(), key.secret.encode()):
             match = match or key
     if match is None:
-        with r.pipeline() as p:
-            p.incr(counter)
-            p.expire(counter, LOGIN_WINDOW_SECONDS, nx=True)
-            p.execute()
         return redirect("/?login=failed", code=303)
+    r.decr(counter)
     resp = redirect("/", code=303)
     expires = int(time.time()) + SESSION_SECONDS
     resp.set_cookie(

@@ -136,6 +136,7 @@ class Janitor:
         self._sweeps += 1
         if self._sweeps % BATCH_EVERY == 1:
             swept.batches = self._batches()
+            BatchStore(self.store).prune_indexes()
         return swept
 
     def _batches(self) -> int:

@@ -74,7 +74,9 @@ ERRORS = {
     "409": "Not possible in the object's state (the message says why)",
     "410": "Expired (the message says what is left and where)",
     "413": "Body over the size limit",
-    "503": "The live workers serve another model than this server's (code model_mismatch)",
+    "503": "Not now, with Retry-After: the server's streams are all taken (code server_busy), "
+    "the job store is unavailable (store_unavailable), or the live workers serve another "
+    "model than this server's (model_mismatch)",
 }
 
 

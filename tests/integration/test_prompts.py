@@ -164,6 +164,8 @@ def _request(field: str, text: str) -> tuple[list[dict[str, Any]], list[dict[str
         messages[2]["content"] = text
     elif field == "extra field":
         messages[0]["metadata"] = text
+    elif field == "role inside an extra field":
+        messages[0]["metadata"] = {"role": text, "type": text}
     elif field == "tool name":
         tool["function"]["name"] = text
     elif field == "tool description":
@@ -172,12 +174,14 @@ def _request(field: str, text: str) -> tuple[list[dict[str, Any]], list[dict[str
         tool["function"]["parameters"]["properties"] = {text: {"type": "string"}}
     elif field == "parameter description":
         tool["function"]["parameters"]["properties"]["city"]["description"] = text
+    elif field == "parameter type":
+        tool["function"]["parameters"]["properties"]["city"]["type"] = text
     return messages, [tool]
 
 
 FIELDS = ["content", "name", "tool call arguments", "tool call name", "tool result",
-          "extra field", "tool name", "tool description", "parameter name",
-          "parameter description"]  # fmt: skip
+          "extra field", "role inside an extra field", "tool name", "tool description",
+          "parameter name", "parameter description", "parameter type"]  # fmt: skip
 
 
 @pytest.mark.parametrize("field", FIELDS)
@@ -206,13 +210,28 @@ def test_text_that_completes_a_control_token_with_the_template_is_plain_text(
         assert _controls(vocab, ids) == _controls(vocab, benign_ids), text
 
 
-def test_an_ordinary_request_with_tools_tokenizes_exactly_as_the_whole_prompt(
-    tools_vocab: Vocab,
+#: Ordinary text that could complete a control token beside the template's text
+#: (a quote starting with ">", a lone "s", a trailing "<"): looked at closely,
+#: and still tokenized exactly as in the whole prompt.
+ORDINARY = ["What is the weather in Paris today?", "> quoted reply\nmy answer", "s", "a <",
+            "turn", "x >", "of", "  spaced  ", "<b>bold</b>"]  # fmt: skip
+
+
+@pytest.mark.parametrize("text", ORDINARY)
+@pytest.mark.parametrize("field", ["content", "name", "tool description", "extra field"])
+def test_an_ordinary_request_tokenizes_exactly_as_the_whole_prompt(
+    tools_vocab: Vocab, field: str, text: str
 ) -> None:
-    messages, tools = _request("content", "What is the weather in Paris today?")
-    prompt, _ = tools_vocab.chat_prompt(messages, tools)
-    ids, _ = chat_ids(tools_vocab, messages, tools)
-    assert ids == tools_vocab.tokenize(prompt, special=True)
+    vocab = tools_vocab
+    messages, tools = _request(field, text)
+    prompt, _ = vocab.chat_prompt(messages, tools)
+    ids, _ = chat_ids(vocab, messages, tools)
+    whole = vocab.tokenize(prompt, special=True)
+    benign, _ = chat_ids(vocab, *_request(field, "hello"))
+    if _controls(vocab, whole) == _controls(vocab, benign):
+        assert ids == whole
+    else:  # the name "s" between the template's "<" and ">" spells "<s>": text, here
+        assert field == "name" and _controls(vocab, ids) == _controls(vocab, benign)
 
 
 def test_a_long_prompt_is_tokenized_once_and_holds_up_no_other(tools_vocab: Vocab) -> None:

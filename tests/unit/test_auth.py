@@ -150,3 +150,17 @@ def test_the_cookie_is_secure_over_https_and_behind_a_trusted_proxy(
     ).test_client()
     resp = proxied.post("/dashboard/login", data={"key": "k"}, headers=forwarded)
     assert "Secure" in resp.headers["Set-Cookie"]
+
+
+def test_too_few_web_threads_for_the_streams_cap_lowers_the_cap(settings: Settings) -> None:
+    """An old PARKQ_WEB_THREADS=64 beside the default PARKQ_MAX_STREAMS=512: the
+    cap follows the threads, keeping 32 free (else streams would fill every
+    thread and /healthz would wait, the 503 never sent)."""
+    from web.app import stream_slots
+    from web.slots import SPARE_THREADS
+
+    assert stream_slots(settings) == settings.max_streams
+    narrow = settings.model_copy(update={"web_threads": 64})
+    assert stream_slots(narrow) == 64 - SPARE_THREADS
+    wide = settings.model_copy(update={"web_threads": 2000, "max_streams": 100})
+    assert stream_slots(wide) == 100

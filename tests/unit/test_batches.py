@@ -382,3 +382,20 @@ def test_a_line_whose_result_cannot_be_read_is_an_error_line_not_a_failed_batch(
     assert fake_redis.ttl(content) > 0 and fake_redis.exists(
         bsettings.keys.file(done["output_file_id"])
     )
+
+
+def test_the_janitor_drops_gone_ids_from_every_tenants_index(
+    settings: Settings, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """A tenant that never lists its files still gets its index pruned: the ids
+    of files deleted or expired behind its back go."""
+    from jobs.store import Store
+
+    store = BatchStore(Store(fake_redis, settings))
+    kept = store.create_file("a.jsonl", "batch", b"{}\n", time.time(), owner="t1")
+    gone = store.create_file("b.jsonl", "batch", b"{}\n", time.time(), owner="t1")
+    other = store.create_file("c.jsonl", "batch", b"{}\n", time.time(), owner="t2")
+    fake_redis.delete(settings.keys.file(gone["id"]))  # expired
+    assert store.prune_indexes() == 1
+    assert [f["id"] for f in store.list_files(owner="t1")] == [kept["id"]]
+    assert [f["id"] for f in store.list_files(owner="t2")] == [other["id"]]

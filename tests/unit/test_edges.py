@@ -101,3 +101,13 @@ def test_redis_unavailable_is_a_503_never_a_500(settings: Settings) -> None:
         assert resp.status_code == 503, (path, resp.status_code, resp.get_data()[:200])
         assert resp.get_json()["error"]["code"] == "store_unavailable"
         assert resp.headers["Retry-After"] == "1"
+
+
+def test_a_last_event_id_past_any_event_number_is_a_400(client: FlaskClient) -> None:
+    resp = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "stream": True})
+    job_id = resp.headers["X-Job-Id"]
+    resp.close()
+    for bad in (str(2**64), "-1", "9" * 40):
+        got = client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": bad})
+        assert got.status_code == 400, bad
+        assert got.get_json()["error"]["type"] == "invalid_request_error"

@@ -38,6 +38,9 @@ class _Vocab:
     def control_texts(self) -> frozenset[str]:
         return frozenset({"<ctl>"})
 
+    def control_strips(self) -> tuple[frozenset[str], frozenset[str]]:
+        return frozenset(), frozenset()
+
 
 @pytest.mark.parametrize("render", [lambda c: c, lambda c: c.strip(), lambda c: c.upper()])
 def test_message_text_is_plain_text_and_the_rest_unchanged(render: Any) -> None:
