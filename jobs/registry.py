@@ -65,6 +65,13 @@ class WorkerRegistry:
             p.hset(self.keys.worker(worker), mapping=fields)
             p.execute()
 
+    def slot_jobs(self, workers: list[str]) -> list[str | None]:
+        """The job each of ``workers`` is recorded as running (None: none)."""
+        with self.r.pipeline(transaction=False) as p:
+            for worker in workers:
+                p.hget(self.keys.worker(worker), "job")
+            return [None if job is None else as_text(job) for job in p.execute()]
+
     def named_connection(self) -> bool:
         """Whether this store's connections carry CLIENT SETNAME (see Keys.client_name)."""
         kwargs = getattr(self.r.connection_pool, "connection_kwargs", {})

@@ -33,6 +33,7 @@ __all__ = [
     "Ending",
     "Fenced",
     "JobEnded",
+    "Lost",
     "Parked",
     "QueueFull",
     "ReapOutcome",
@@ -61,6 +62,17 @@ CANCEL_EVENTS = [error_event("The job was cancelled.", "cancelled", "job_cancell
 
 def _states(*states: JobState) -> str:
     return ",".join(s.value for s in states)
+
+
+class Lost(Exception):
+    """Events this execution wrote are no longer in the job's stream (Redis failed
+    over to a replica that had not received them): nothing more was written; the
+    job is replayed to write them again."""
+
+    def __init__(self, job_id: str, have: int) -> None:
+        super().__init__(f"job {job_id}: the stream holds {have} events, fewer than were written")
+        self.job_id = job_id
+        self.have = have
 
 
 @dataclass(frozen=True)
@@ -567,11 +579,11 @@ class Store:
         """
         call = StepCall(job_id, exec_token, worker, tokens, first_seq, payloads, latency_ms)
         got = self._step_result(call, self._run("step", *self._step_args(call)))
-        if isinstance(got, Fenced | Diverged):
+        if isinstance(got, Fenced | Diverged | Lost):
             raise got
         return got
 
-    def steps(self, calls: list[StepCall]) -> list[Step | Fenced | Diverged]:
+    def steps(self, calls: list[StepCall]) -> list[Step | Fenced | Diverged | Lost]:
         """:meth:`step` for several jobs in one round trip (a pipeline): each
         job's :class:`Step`, or :class:`Fenced` where its execution is stale,
         or :class:`Diverged` where its replay computed other events.
@@ -604,11 +616,13 @@ class Store:
         return keys, args
 
     @staticmethod
-    def _step_result(call: StepCall, got: Any) -> Step | Fenced | Diverged:
+    def _step_result(call: StepCall, got: Any) -> Step | Fenced | Diverged | Lost:
         if got == -1:
             return Fenced(call.job_id)
         if int(got[0]) == -3:
             return Diverged(call.job_id, int(got[1]))
+        if int(got[0]) == -4:
+            return Lost(call.job_id, int(got[1]))
         flags, head, detached = got
         return Step(
             int(flags),
@@ -648,6 +662,8 @@ class Store:
             ],
         )
         if isinstance(got, list):
+            if int(got[0]) == -4:
+                raise Lost(job_id, int(got[1]))
             raise Diverged(job_id, int(got[1]))
         if got == -1:
             raise Fenced(job_id)

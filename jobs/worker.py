@@ -42,6 +42,7 @@ from jobs.store import (
     Claim,
     Diverged,
     Fenced,
+    Lost,
     ReapOutcome,
     Store,
 )
@@ -120,6 +121,8 @@ class Worker(Executions):
             engine, n_seqs, n_slots, settings.checkpoint_bytes, settings.prefix_cache_bytes
         )
         self._running: dict[int, Running] = {}
+        #: Sequences between a claim and their generation's first engine call.
+        self._starting: dict[int, str] = {}
         #: Sequences whose job raised and is not yet handed back to the queue
         #: (Redis was unavailable): no claim takes them until it is.
         self._returning: dict[int, Returning] = {}
@@ -276,6 +279,7 @@ class Worker(Executions):
             )
         running = Running(slot, claim.job_id)
         running.run = self._execution(slot, claim, running)
+        self._starting[slot.index] = claim.job_id  # (a beat meanwhile: see _reconcile)
         try:
             running.call = next(running.run)
         except StopIteration:  # ended before it needed the engine
@@ -284,6 +288,8 @@ class Worker(Executions):
         except Exception as exc:  # e.g. its record unreadable: the job, not the worker
             self._hand_back(running, exc)
             return
+        finally:
+            del self._starting[slot.index]
         self._running[slot.index] = running
         self._write_steps()  # a sibling's prompt can make it write before any call
 
@@ -346,7 +352,7 @@ class Worker(Executions):
             finally:
                 CLOCK.add("redis", time.perf_counter() - t0)
             for r, write, result in zip(pending, writes, results, strict=True):
-                if isinstance(result, Fenced | Diverged):
+                if isinstance(result, Fenced | Diverged | Lost):
                     self._deliver(r, result)
                     continue
                 try:
@@ -406,7 +412,17 @@ class Worker(Executions):
         back to the queue as a dead worker's would (it resumes from its checkpoint
         or by replay, here or elsewhere; after PARKQ_CRASH_LIMIT such ends it fails
         with an error event and its [DONE])."""
-        if isinstance(exc, TRANSIENT):
+        if isinstance(exc, Lost):
+            # Redis failed over and lost events it had taken: a replay writes them
+            # again (identical: the stream's stored events are compared).
+            log.warning("job %s: %s (a Redis failover); it goes back to the queue to be "
+                        "replayed", r.job_id, exc)  # fmt: skip
+            self._metric(lambda: self.telemetry.count("writes_lost"))
+            # Its checkpoint is ahead of the stream too: the replay starts from what
+            # Redis holds, never from it (else every resume would find the same hole).
+            self.kv.drop(r.job_id)
+            back = Returning(r.slot, crash=False)
+        elif isinstance(exc, TRANSIENT):
             # Not the job's fault: requeued without counting against its crash limit.
             log.warning("job %s: Redis failed under it (%s); it goes back to the queue",
                         r.job_id, exc)  # fmt: skip
@@ -486,6 +502,7 @@ class Worker(Executions):
             self.store.workers.heartbeat(slot.name, now, ttl, kv_bytes, rss, self.name)
             kv_bytes = rss = 0
         self.rq.heartbeat(int(self.settings.worker_ttl) + 60)
+        self._reconcile()
         held = self.kv.held()
         if held:
             for job_id, state in self.store.job_states(held).items():
@@ -497,6 +514,23 @@ class Worker(Executions):
                     log.info("job %s: resumed elsewhere; in-place checkpoint freed", job_id)
         if self._running:  # the clock counts stepping time (see jobs/stepclock.py)
             CLOCK.add("redis", time.perf_counter() - t0)
+
+    def _reconcile(self) -> None:
+        """A sequence that Redis records as running a job it does not run: the
+        write that ended or handed back that job was lost (Redis failed over to a
+        replica that had not received it). The job would stay `running` on a live
+        worker for good; it is handed back, to be finished (or replayed) anew."""
+        names = [slot.name for slot in self.slots]
+        for slot, job_id in zip(self.slots, self.store.workers.slot_jobs(names), strict=True):
+            if job_id is None or slot.index in self._returning:
+                continue
+            running = self._running.get(slot.index)
+            runs = running.job_id if running is not None else self._starting.get(slot.index)
+            if runs != job_id:
+                log.warning("worker %s: Redis says it runs job %s, which it does not (a "
+                            "lost write); the job goes back to the queue",
+                            slot.name, job_id)  # fmt: skip
+                self._returning[slot.index] = Returning(slot, crash=False)
 
     def _reap(
         self,

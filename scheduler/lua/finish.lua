@@ -6,7 +6,9 @@
 --       field/value pairs N, N field/value pairs, payloads.
 -- Returns -1 when the execution token is stale, -2 when the job's state does
 -- not allow the transition, {-3, n} when a replayed event n differs from the
--- stored one (the job is left as it was), 1 when done.
+-- stored one (the job is left as it was), {-4, n} when the stream holds only n
+-- events, fewer than these follow (writes lost in a failover; the job is left
+-- as it was), 1 when done.
 if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
   return -1
 end
@@ -17,6 +19,8 @@ local n = tonumber(ARGV[9])
 local _, diverged = emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[8]), 10 + 2 * n)
 if diverged > 0 then
   return {-3, diverged}
+elseif diverged < 0 then
+  return {-4, tonumber(redis.call('HGET', KEYS[1], 'seq'))}
 end
 local tokens_before = tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
 if n > 0 then

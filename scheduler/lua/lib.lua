@@ -26,12 +26,18 @@ end
 -- compared with the stored one: a replay that computed another event (another
 -- kernel path, thread count or device rounds otherwise) is never spliced into
 -- the stream; nothing from that event on is written, and its number is
--- returned as the second value (0: none differed).
+-- returned as the second value (0: none differed). An event numbered past the
+-- stream's next one means events the writer wrote are gone (a failover to a
+-- replica that had not received them): nothing is written, and the second
+-- value is -1 (the job is replayed to write them again).
 local function emit_numbered(job, events, channel, first, from)
   local have = tonumber(redis.call('HGET', job, 'seq'))
   local seq = first
   local written = 0
   if seq <= 0 then seq = have + 1 end
+  if seq > have + 1 and from <= #ARGV then
+    return 0, -1
+  end
   for i = from, #ARGV do
     if seq > have then
       emit(events, channel, seq, ARGV[i])

@@ -9,7 +9,9 @@
 --       payload, payload, ...
 -- Returns -1 when the execution token is stale (another execution owns the
 -- job: nothing is written), {-3, n} when a replayed event n differs from the
--- stored one (nothing from it on is written), else {flags, queue head score or false, time the
+-- stored one (nothing from it on is written), {-4, n} when the stream holds
+-- only n events, fewer than this write follows (writes lost in a failover:
+-- nothing is written), else {flags, queue head score or false, time the
 -- job's last reader left or false}, flags a bit set: 1 cancel requested,
 -- 2 preempt (the job is then marked parking).
 if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
@@ -18,6 +20,8 @@ end
 local written, diverged = emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[4]), 7)
 if diverged > 0 then
   return {-3, diverged}
+elseif diverged < 0 then
+  return {-4, tonumber(redis.call('HGET', KEYS[1], 'seq'))}
 end
 local new_tokens = tonumber(ARGV[3]) - tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
 if new_tokens > 0 then

@@ -3,7 +3,7 @@ import pytest
 
 from jobs.events import DONE
 from jobs.identity import ModelIdentity
-from jobs.store import Diverged, Fenced, JobEnded, Step, StepCall, Store
+from jobs.store import Diverged, Fenced, JobEnded, Lost, Step, StepCall, Store
 from scheduler.settings import Settings
 from scheduler.state import JobState
 
@@ -254,3 +254,32 @@ def test_a_replayed_event_that_differs_is_never_spliced(store: Store) -> None:
     assert [d for _, d in store.events_after("a", 0)] == ["one", "two", "three"]
     with pytest.raises(Diverged):
         store.finish("a", again.exec_token, "w2", JobState.FINISHED, {}, 3, ["THREE", DONE], 12.0)
+
+
+def test_events_lost_in_a_failover_are_noticed_never_skipped_over(store: Store) -> None:
+    """The primary took events 1-5, the replica that replaced it had only 1-3:
+    the next step (6 on) writes nothing and says so (:class:`Lost`), so the job
+    is replayed instead of its stream going on with a hole; the finish too."""
+    _enqueue(store, "a", 0, 1.0)
+    store.workers.heartbeat("w", now=1.0, ttl=100)
+    claim = store.claim("w", 2.0)
+    assert claim is not None
+    store.step("a", claim.exec_token, "w", 5, 1, ["1", "2", "3", "4", "5"])
+    # What the replica had: three events.
+    events = store.keys.events("a")
+    store.r.delete(events)
+    for i in (1, 2, 3):
+        store.r.xadd(events, {"d": str(i)}, id=f"{i}-0")
+    store.r.hset(store.keys.job("a"), "seq", 3)
+    with pytest.raises(Lost) as caught:
+        store.step("a", claim.exec_token, "w", 6, 6, ["6"])
+    assert caught.value.have == 3
+    [result] = store.steps([StepCall("a", claim.exec_token, "w", 6, 6, ["6"])])
+    assert isinstance(result, Lost)
+    with pytest.raises(Lost):
+        store.finish("a", claim.exec_token, "w", JobState.FINISHED, {}, 6, ["6", DONE], 3.0)
+    assert [d for _, d in store.events_after("a", 0)] == ["1", "2", "3"]
+    assert store.get("a")["state"] == "running"  # type: ignore[index]
+    # A replay writes 4 and 5 again (compared where stored), then goes on.
+    store.step("a", claim.exec_token, "w", 6, 1, ["1", "2", "3", "4", "5", "6"])
+    assert [d for _, d in store.events_after("a", 0)] == ["1", "2", "3", "4", "5", "6"]

@@ -370,6 +370,8 @@ def test_a_slow_replay_keeps_its_worker_alive(
     assert claim is not None
     gen = Generation("slow", req, FakeEngine().token_bytes, FakeEngine().is_eog)
     drive(FakeEngine(), gen, lambda p: PREEMPT if len(gen.generated) == 30 else 0, 32)
+    # Its events written, as a worker writes them before it parks.
+    store.step("slow", claim.exec_token, "old", 30, 1, [f"e{i}" for i in range(1, gen.events + 1)])
     assert store.park("slow", claim.exec_token, "old", json.dumps(gen.state()), 3.0) == "parked"
     worker = Worker(settings, _SlowEngine(), fake_redis, name="slow-worker")
     thread = threading.Thread(target=worker.run)

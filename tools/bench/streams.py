@@ -102,8 +102,10 @@ def _web_worker(stack: Stack) -> _Proc:
     return _Proc(web.pid)
 
 
-def _percentiles(values: list[float]) -> dict[str, float]:
+def _percentiles(values: list[float]) -> dict[str, float | None]:
     ordered = sorted(values)
+    if not ordered:
+        return {"n": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
     return {
         "n": len(ordered),
         "p50_ms": round(1000 * statistics.median(ordered), 1),
