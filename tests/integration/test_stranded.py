@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import redis
+import requests
 
 from jobs.identity import ModelIdentity
 from jobs.store import Store
@@ -251,3 +252,41 @@ def _holder_keeps_its_job(c: Cluster, redis_server: Any, unaged: dict[str, str])
     assert record["state"] == "finished"
     if record["worker"] != "holder":  # a slow machine: the short job outlasted the long one's run
         assert float(record["resumed_at"]) - float(record["parked_at"]) >= ran - 0.5
+
+
+#: What a failover to a replica that lagged behind does to a job: its stream and
+#: its record as they were ARGV[1] events ago.
+_LAG = """
+local keep = tonumber(redis.call('HGET', KEYS[2], 'seq')) - tonumber(ARGV[1])
+local entries = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', keep)
+redis.call('DEL', KEYS[1])
+for _, e in ipairs(entries) do redis.call('XADD', KEYS[1], e[1], unpack(e[2])) end
+redis.call('HSET', KEYS[2], 'seq', keep)
+return keep
+"""
+
+
+def test_events_lost_in_a_failover_are_written_again_never_skipped(
+    stack: Cluster, redis_server
+) -> None:
+    """Redis loses the job's last 50 events (as a failover to a replica that had
+    not received them does): the worker's next write notices, the job is
+    replayed from what Redis holds, and the client's text is the undisturbed
+    one, each event once; a client that connects afterwards reads it whole."""
+    c = stack
+    reference = _reference(c)
+    job_id, thread, seen = _reading(c, "w", SLOW)
+    wait_until(lambda: job(c.base_url, job_id)["tokens"] >= 150, timeout=60)
+    r = redis.Redis.from_url(redis_server.url)
+    keys = Keys(c.env["PARKQ_KEY_PREFIX"])
+    kept = int(r.eval(_LAG, 2, keys.events(job_id), keys.job(job_id), 50))
+    assert kept >= 100
+    thread.join(timeout=120)
+    assert seen and seen[-1][1] == "[DONE]"
+    assert [i for i, _ in seen] == list(range(1, len(seen) + 1))
+    assert completion_text(seen) == reference
+    late = requests.get(f"{c.base_url}/v1/jobs/{job_id}/events", stream=True, timeout=60)
+    assert completion_text(read_events(late)) == reference
+    assert job(c.base_url, job_id)["state"] == "finished"
+    counters = r.hgetall(keys.counters)
+    assert int(counters.get(b"writes_lost", 0)) >= 1
