@@ -100,7 +100,10 @@ class BatchStore:
             if expires_at is not None:
                 p.expireat(k.file_content(file_id), expires_at)
                 p.expireat(k.file(file_id), expires_at)
-            p.execute()
+            waited = self.store.durable(p)
+            replies = p.execute()
+        if waited:
+            self.store.acked(replies[-1])
         return self.file_object(meta)
 
     def write_file(
@@ -272,7 +275,10 @@ class BatchStore:
             p.zadd(k.batches, {batch_id: now})
             if record.get("owner"):
                 p.zadd(k.batches_of(record["owner"]), {batch_id: now})
-            p.execute()
+            waited = self.store.durable(p)
+            replies = p.execute()
+        if waited:
+            self.store.acked(replies[-1])
 
     def create_record(self, record: dict[str, str], now: float) -> None:
         """Store a batch's record alone (it is validated next; its lines come later).
@@ -282,7 +288,10 @@ class BatchStore:
             p.zadd(self.keys.batches, {record["id"]: now})
             if record.get("owner"):
                 p.zadd(self.keys.batches_of(record["owner"]), {record["id"]: now})
-            p.execute()
+            waited = self.store.durable(p)
+            replies = p.execute()
+        if waited:
+            self.store.acked(replies[-1])
 
     def transition(self, batch_id: str, expected: str, fields: dict[str, str]) -> bool:
         """Write ``fields`` only if the batch's status is still ``expected`` (atomic)."""

@@ -9,6 +9,7 @@ from :class:`scheduler.keys.Keys` only.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -24,6 +25,8 @@ from scheduler.policy import Policy
 from scheduler.preempt import PreemptPolicy, Runner, choose_victim
 from scheduler.settings import Settings
 from scheduler.state import LIVE, TERMINAL, JobState, sources
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CANCEL_EVENTS",
@@ -249,6 +252,22 @@ class Store:
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return self._scripts[name](keys=keys, args=args)
 
+    def durable(self, pipeline: redis.client.Pipeline) -> bool:
+        """End ``pipeline`` with a WAIT for PARKQ_DURABLE_REPLICAS (its writes, on
+        its connection, held by that many replicas): whether one was added (its
+        reply, the pipeline's last, goes to :meth:`acked`)."""
+        n, ms = self.settings.wait_replicas, self.settings.durable_wait_ms
+        if n:
+            pipeline.execute_command("WAIT", n, ms)
+        return bool(n)
+
+    def acked(self, replicas: Any) -> None:
+        """Log a WAIT that ended with fewer replicas than PARKQ_DURABLE_REPLICAS."""
+        n, ms = self.settings.wait_replicas, self.settings.durable_wait_ms
+        if int(replicas) < n:
+            log.warning("Redis: %d of %d replicas took a write within %d ms; a failover "
+                        "now could lose it", int(replicas), n, ms)  # fmt: skip
+
     def ping(self) -> bool:
         return bool(self.r.ping())
 
@@ -298,18 +317,24 @@ class Store:
         now: float,
         owner: str = "",
     ) -> bool:
-        """Store a new job and make it wait; False if the id is taken."""
+        """Store a new job and make it wait; False if the id is taken. With
+        PARKQ_DURABLE_REPLICAS, returns once that many replicas hold it too (or
+        the wait is over: :meth:`durable`)."""
         fields = self.job_fields(job_id, kind, request, level, now, owner)
         score = fields["score"]
         flat = [x for kv in fields.items() for x in kv]
         k = self.keys
-        done = int(
-            self._run(
-                "enqueue",
-                [k.job(job_id), k.queue, k.wake],
-                [job_id, score, repr(now), self.settings.max_queue, *flat],
-            )
-        )
+        keys = [k.job(job_id), k.queue, k.wake]
+        args = [job_id, score, repr(now), self.settings.max_queue, *flat]
+        if self.settings.wait_replicas:
+            with self.r.pipeline(transaction=False) as p:
+                self._scripts["enqueue"](keys=keys, args=args, client=p)
+                self.durable(p)
+                done_raw, acked = p.execute()
+            self.acked(acked)
+            done = int(done_raw)
+        else:
+            done = int(self._run("enqueue", keys, args))
         if done < 0:
             raise QueueFull(job_id)
         return bool(done)

@@ -59,7 +59,21 @@ class Settings(BaseSettings):
     redis_url: str | None = Field(
         None,
         description="Redis URL. `parkq up` starts an embedded Redis when unset; "
-        "`parkq web` and `parkq worker` require it.",
+        "`parkq web` and `parkq worker` require it. Redis Sentinel: "
+        "`redis+sentinel://[:password@]host1:26379,host2:26379/mymaster[/db]` "
+        "(`rediss+sentinel://` for TLS; the sentinels' own password as "
+        "`?sentinel_password=`).",
+    )
+    durable_replicas: int | None = Field(
+        None,
+        ge=0,
+        description="Replicas that must hold a new job, file or batch before the request "
+        "that made it is answered (Redis WAIT): a failover then cannot lose an accepted "
+        "request. Default 1 with a Sentinel URL, else 0. Past PARKQ_DURABLE_WAIT_MS the "
+        "request is answered anyway, with a warning in the log.",
+    )
+    durable_wait_ms: int = Field(
+        500, ge=1, description="How long a request waits for PARKQ_DURABLE_REPLICAS."
     )
     key_prefix: str = Field(
         "parkq", description="Prefix of every parkq key; two deployments can share a Redis."
@@ -315,6 +329,14 @@ class Settings(BaseSettings):
     def _key_list(cls, v: str | None) -> str | None:
         parse_keys(v)  # a malformed entry stops the process at start, with the reason
         return v
+
+    @property
+    def wait_replicas(self) -> int:
+        """PARKQ_DURABLE_REPLICAS, its default resolved."""
+        if self.durable_replicas is not None:
+            return self.durable_replicas
+        scheme = (self.redis_url or "").split("://", 1)[0].lower()
+        return 1 if scheme in ("redis+sentinel", "rediss+sentinel") else 0
 
     @property
     def api_key_entries(self) -> tuple[ApiKey, ...]:

@@ -167,3 +167,28 @@ def test_a_failover_loses_no_job_and_no_token(sentinels: Sentinels, stack: Clust
         assert completion_text(seen) == expected[name], name
     print(f"\nfailover: kill to the next token {next_token:.2f} s")
     assert c.procs["w"].poll() is None and c.procs["web"].poll() is None
+
+
+def test_an_accepted_job_waits_for_a_replica_and_is_answered_without_one(
+    sentinels: Sentinels, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a Sentinel URL a new job is answered once a replica holds it (WAIT);
+    with the replica gone it is answered all the same after PARKQ_DURABLE_WAIT_MS,
+    and the log says the write could be lost."""
+    from jobs.connect import connect
+    from jobs.store import Store
+    from scheduler.settings import load_settings
+
+    settings = load_settings(redis_url=sentinels.url, durable_wait_ms=200, key_prefix="dur")
+    assert settings.wait_replicas == 1
+    assert load_settings(redis_url="redis://127.0.0.1:6379/0").wait_replicas == 0
+    store = Store(connect(sentinels.url), settings)
+    assert store.enqueue("a", "completion", {"prompt": "x"}, 1, time.time())
+    replica = redis.Redis(port=sentinels.replica.port)
+    assert replica.hget(settings.keys.job("a"), "state") == b"queued"  # there before the answer
+    assert not [r for r in caplog.records if "replicas took a write" in r.getMessage()]
+    sentinels.replica.stop()
+    t0 = time.monotonic()
+    assert store.enqueue("b", "completion", {"prompt": "x"}, 1, time.time())
+    assert 0.15 <= time.monotonic() - t0 < 5
+    assert any("0 of 1 replicas took a write" in r.getMessage() for r in caplog.records)
