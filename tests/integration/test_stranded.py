@@ -290,3 +290,44 @@ def test_events_lost_in_a_failover_are_written_again_never_skipped(
     assert job(c.base_url, job_id)["state"] == "finished"
     counters = r.hgetall(keys.counters)
     assert int(counters.get(b"writes_lost", 0)) >= 1
+
+
+#: A job's end as a failover to a replica that had not received it leaves it:
+#: `running` on its sequence again, its last ARGV[2] events gone.
+_UNFINISH = """
+redis.call('HSET', KEYS[1], 'state', 'running')
+redis.call('HDEL', KEYS[1], 'finished_at')
+redis.call('PERSIST', KEYS[1])
+redis.call('HSET', KEYS[3], 'job', ARGV[1], 'exec', redis.call('HGET', KEYS[1], 'exec'))
+local keep = tonumber(redis.call('HGET', KEYS[1], 'seq')) - tonumber(ARGV[2])
+local entries = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', keep)
+redis.call('DEL', KEYS[2])
+for _, e in ipairs(entries) do redis.call('XADD', KEYS[2], e[1], unpack(e[2])) end
+redis.call('HSET', KEYS[1], 'seq', keep)
+return keep
+"""
+
+
+def test_a_finish_lost_in_a_failover_is_noticed_and_the_job_ends_again(
+    stack: Cluster, redis_server
+) -> None:
+    """The job finished, but Redis lost its end (its state, its last events and
+    its sequence's release), as a failover to a lagging replica does: the
+    worker, alive and idle, sees Redis record a job on its sequence that it
+    does not run, hands it back, and the job is replayed to the same end."""
+    c = stack
+    c.start_worker("w")
+    wait_until(lambda: c.workers_alive() == 1, timeout=60)
+    resp = submit_stream(c.base_url, {**LONG, "max_tokens": 60})
+    job_id = resp.headers["X-Job-Id"]
+    first = read_events(resp)
+    assert first[-1][1] == "[DONE]"
+    r = redis.Redis.from_url(redis_server.url)
+    keys = Keys(c.env["PARKQ_KEY_PREFIX"])
+    slot = r.hget(keys.job(job_id), "worker").decode()
+    r.eval(_UNFINISH, 3, keys.job(job_id), keys.events(job_id), keys.worker(slot), job_id, 2)
+    wait_until(lambda: job(c.base_url, job_id)["state"] == "finished", timeout=60)
+    late = requests.get(f"{c.base_url}/v1/jobs/{job_id}/events", stream=True, timeout=60)
+    again = read_events(late)
+    assert again == first  # the same events, numbered the same, ending with [DONE]
+    assert c.procs["w"].poll() is None
