@@ -91,19 +91,22 @@ class BatchStore:
         if owner:
             meta["owner"] = owner
         k = self.keys
-        with self.r.pipeline() as p:
+        # One connection, no MULTI (a WAIT inside one returns at once): the content
+        # and its expiry first, the record and the indexes last, so a write cut
+        # short leaves no file anyone can see.
+        with self.r.pipeline(transaction=False) as p:
             p.set(k.file_content(file_id), content)
+            if expires_at is not None:
+                p.expireat(k.file_content(file_id), expires_at)
             p.hset(k.file(file_id), mapping={key: str(v) for key, v in meta.items()})
+            if expires_at is not None:
+                p.expireat(k.file(file_id), expires_at)
             p.zadd(k.files, {file_id: now})
             if owner:
                 p.zadd(k.files_of(owner), {file_id: now})
-            if expires_at is not None:
-                p.expireat(k.file_content(file_id), expires_at)
-                p.expireat(k.file(file_id), expires_at)
             waited = self.store.durable(p)
-            replies = p.execute()
-        if waited:
-            self.store.acked(replies[-1])
+            replies = p.execute(raise_on_error=False)
+        self._check(replies, waited)
         return self.file_object(meta)
 
     def write_file(
@@ -150,6 +153,16 @@ class BatchStore:
             p.expireat(k.file(file_id), expires_at)
             p.execute()
         return self.file_object(meta)
+
+    def _check(self, replies: list[Any], waited: bool) -> None:
+        """Raise the first failed write of a pipeline; a WAIT at its end (``waited``)
+        only logs (:meth:`Store.acked`)."""
+        writes = replies[:-1] if waited else replies
+        for reply in writes:
+            if isinstance(reply, Exception):
+                raise reply
+        if waited:
+            self.store.acked(replies[-1])
 
     @staticmethod
     def file_object(meta: dict[str, Any]) -> dict[str, Any]:
@@ -276,9 +289,8 @@ class BatchStore:
             if record.get("owner"):
                 p.zadd(k.batches_of(record["owner"]), {batch_id: now})
             waited = self.store.durable(p)
-            replies = p.execute()
-        if waited:
-            self.store.acked(replies[-1])
+            replies = p.execute(raise_on_error=False)
+        self._check(replies, waited)
 
     def create_record(self, record: dict[str, str], now: float) -> None:
         """Store a batch's record alone (it is validated next; its lines come later).
@@ -289,9 +301,8 @@ class BatchStore:
             if record.get("owner"):
                 p.zadd(self.keys.batches_of(record["owner"]), {record["id"]: now})
             waited = self.store.durable(p)
-            replies = p.execute()
-        if waited:
-            self.store.acked(replies[-1])
+            replies = p.execute(raise_on_error=False)
+        self._check(replies, waited)
 
     def transition(self, batch_id: str, expected: str, fields: dict[str, str]) -> bool:
         """Write ``fields`` only if the batch's status is still ``expected`` (atomic)."""

@@ -291,6 +291,14 @@ class Executions:
             return None
         request = GenerationRequest.from_json(json.loads(record["request"]))
         saved = record.get("checkpoint")
+        if saved is not None and int(json.loads(saved).get("events", 0)) > int(
+            record.get("seq", "0")
+        ):
+            # Ahead of the stream: events it counts were lost (a Redis failover).
+            # A replay from the prompt writes them again, compared where stored.
+            log.warning("job %s: its checkpoint is ahead of its stream (writes lost); it "
+                        "is replayed from its prompt", job_id)  # fmt: skip
+            saved = None
         e = self.engine
         if saved is not None:
             gen = Generation.restore(
@@ -511,6 +519,7 @@ class Executions:
         try:
             call()
         except TRANSIENT as exc:
+            self._redis_lost_at = time.time()
             log.warning("worker %s: a measurement was dropped (%s)", self.name, exc)
 
     def _retrying(self, call: Callable[[], T]) -> T:
@@ -521,8 +530,12 @@ class Executions:
         return result
 
     def _redis_failed(self, exc: Exception) -> None:
-        """A server that refuses writes as a replica (its primary moved, as after a
-        failover): drop the pooled connections, so the next try connects anew."""
+        """Redis failed a call. Remember when (other workers' connections may be
+        missing for a while after an outage or a failover: no one is taken for
+        dead by its connections meanwhile). A server that refuses writes as a
+        replica (its primary moved): drop the pooled connections, so the next try
+        connects anew."""
+        self._redis_lost_at = time.time()
         if isinstance(exc, MOVED_PRIMARY):
             self.store.r.connection_pool.disconnect()
 

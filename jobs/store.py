@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -230,6 +231,8 @@ class Store:
         self.result_ttl = settings.result_ttl
         self.telemetry = Telemetry(client, self.keys)
         self.workers = WorkerRegistry(client, self.keys, model)
+        self._next_wait_warning = 0.0
+        self._short_until = 0.0
         #: The most queue entries a claim or a preemption check reads.
         self._scan_limit = min(settings.max_queue + QUEUE_PAGE, SCAN_LIMIT) if (
             settings.max_queue) else SCAN_LIMIT  # fmt: skip
@@ -252,21 +255,38 @@ class Store:
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return self._scripts[name](keys=keys, args=args)
 
+    #: After a WAIT came back short (a replica down), writes are not waited for
+    #: this long (each would wait the whole PARKQ_DURABLE_WAIT_MS in vain).
+    SHORT_WAIT_SECONDS = 5.0
+
+    def _waiting(self) -> bool:
+        return bool(self.settings.wait_replicas) and time.monotonic() >= self._short_until
+
     def durable(self, pipeline: redis.client.Pipeline) -> bool:
         """End ``pipeline`` with a WAIT for PARKQ_DURABLE_REPLICAS (its writes, on
         its connection, held by that many replicas): whether one was added (its
         reply, the pipeline's last, goes to :meth:`acked`)."""
-        n, ms = self.settings.wait_replicas, self.settings.durable_wait_ms
-        if n:
-            pipeline.execute_command("WAIT", n, ms)
-        return bool(n)
+        if not self._waiting():
+            return False
+        pipeline.execute_command("WAIT", self.settings.wait_replicas, self.settings.durable_wait_ms)
+        return True
 
     def acked(self, replicas: Any) -> None:
-        """Log a WAIT that ended with fewer replicas than PARKQ_DURABLE_REPLICAS."""
+        """Log (at most once a minute) a WAIT that ended with fewer replicas than
+        PARKQ_DURABLE_REPLICAS, or failed (a server that refuses WAIT)."""
         n, ms = self.settings.wait_replicas, self.settings.durable_wait_ms
-        if int(replicas) < n:
-            log.warning("Redis: %d of %d replicas took a write within %d ms; a failover "
-                        "now could lose it", int(replicas), n, ms)  # fmt: skip
+        if isinstance(replicas, Exception):
+            said = f"WAIT failed ({replicas}); writes are not waited for"
+        elif int(replicas) < n:
+            said = (f"{int(replicas)} of {n} replicas took a write within {ms} ms; a failover "
+                    "now could lose it")  # fmt: skip
+        else:
+            return
+        now = time.monotonic()
+        self._short_until = now + self.SHORT_WAIT_SECONDS
+        if now >= self._next_wait_warning:
+            self._next_wait_warning = now + 60
+            log.warning("Redis: %s", said)
 
     def ping(self) -> bool:
         return bool(self.r.ping())
@@ -318,19 +338,21 @@ class Store:
         owner: str = "",
     ) -> bool:
         """Store a new job and make it wait; False if the id is taken. With
-        PARKQ_DURABLE_REPLICAS, returns once that many replicas hold it too (or
-        the wait is over: :meth:`durable`)."""
+        PARKQ_DURABLE_REPLICAS, returns once that many replicas hold it (or the
+        wait is over: :meth:`durable`)."""
         fields = self.job_fields(job_id, kind, request, level, now, owner)
         score = fields["score"]
         flat = [x for kv in fields.items() for x in kv]
         k = self.keys
         keys = [k.job(job_id), k.queue, k.wake]
         args = [job_id, score, repr(now), self.settings.max_queue, *flat]
-        if self.settings.wait_replicas:
+        if self._waiting():
             with self.r.pipeline(transaction=False) as p:
                 self._scripts["enqueue"](keys=keys, args=args, client=p)
                 self.durable(p)
-                done_raw, acked = p.execute()
+                done_raw, acked = p.execute(raise_on_error=False)
+            if isinstance(done_raw, Exception):
+                raise done_raw
             self.acked(acked)
             done = int(done_raw)
         else:
@@ -725,6 +747,8 @@ class Store:
         )
         if result == -1:
             raise Fenced(job_id)
+        if isinstance(result, list):
+            raise Lost(job_id, int(result[1]))
         return Parked(as_text(result))
 
     def reap(

@@ -263,6 +263,8 @@ class Worker(Executions):
         self._next_claim = now_m + CLAIM_SECONDS
         self._work_waiting = False
         for slot in free:
+            if slot.index in self._returning:  # (a beat during a start found it stale)
+                continue
             claim = self.store.claim(slot.name, time.time(), self.name)
             if claim is None:
                 return
@@ -445,11 +447,13 @@ class Worker(Executions):
         if not self._returning:
             return
         now = time.time()
-        for back in list(self._returning.values()):
+        handled = list(self._returning.items())
+        for _, back in handled:
             self.store.workers.retire(back.slot.name)
             self._reap(now, only=[back.slot.name], crash=back.crash, failure=back.failure)
+        for index, _ in handled:  # (the beat below may find more: kept for the next call)
+            del self._returning[index]
         self._beat(time.time())  # registered again before any claim can take them
-        self._returning.clear()
 
     def beat(self, force: bool = True) -> None:
         """Heartbeat; requeue dead workers' jobs; free checkpoints of ended jobs."""

@@ -68,12 +68,17 @@ class Settings(BaseSettings):
         None,
         ge=0,
         description="Replicas that must hold a new job, file or batch before the request "
-        "that made it is answered (Redis WAIT): a failover then cannot lose an accepted "
-        "request. Default 1 with a Sentinel URL, else 0. Past PARKQ_DURABLE_WAIT_MS the "
-        "request is answered anyway, with a warning in the log.",
+        "that made it is answered (Redis WAIT), so a failover to one of them keeps it. "
+        "Default 1 with a Sentinel URL, else 0. Past PARKQ_DURABLE_WAIT_MS (a replica down) "
+        "the request is answered anyway, with a warning in the log; with several replicas "
+        "Sentinel may promote one that had not acknowledged.",
     )
     durable_wait_ms: int = Field(
-        500, ge=1, description="How long a request waits for PARKQ_DURABLE_REPLICAS."
+        500,
+        ge=1,
+        le=4000,
+        description="How long a request waits for PARKQ_DURABLE_REPLICAS (below Redis "
+        "clients' 5 s socket timeout).",
     )
     key_prefix: str = Field(
         "parkq", description="Prefix of every parkq key; two deployments can share a Redis."

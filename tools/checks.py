@@ -51,7 +51,7 @@ def redact(url: str | None) -> str:
     if at:
         user, colon, _ = userinfo.partition(":")
         netloc = f"{user}:***@{hosts}" if colon else netloc
-    tail = re.sub(r"((?:^|[?&])sentinel_password=)[^&]*", r"\1***", tail)
+    tail = re.sub(r"((?:^|[?&])(?:sentinel_)?password=)[^&]*", r"\1***", tail)
     return f"{scheme}{sep}{netloc}{slash}{tail}"
 
 

@@ -79,6 +79,7 @@ def choice_id(response_id: str, i: int) -> str:
 
 
 def _enqueue(job_id: str, gen: GenerationRequest, level: int) -> str:
+    """Queue one job (once the replicas hold it: PARKQ_DURABLE_REPLICAS)."""
     runtime = current()
     who = caller()
     runtime.rq.create(job_id, f"{gen.kind} {len(gen.prompt_ids)}+{gen.max_tokens} tokens")

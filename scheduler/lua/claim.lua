@@ -19,8 +19,24 @@
 -- that process for `affinity seconds` after it was parked, or as long as the job
 -- has run if that is longer (another worker would replay it token by token, which
 -- costs about that); then anyone may take it.
+-- A job still recorded on the claiming sequence (its end lost in a failover)
+-- is requeued first.
 -- Returns {id, execution token, the device it moved from or ''} or false when
 -- nothing fits.
+-- A job Redis still records on this sequence (its end was lost, as in a
+-- failover to a replica that had not received it; a sequence claims only when
+-- it runs nothing) goes back to the queue first, fenced, no crash counted.
+local stale = redis.call('HGET', KEYS[2], 'job')
+if stale then
+  local old = ARGV[1] .. stale
+  local old_state = redis.call('HGET', old, 'state')
+  if redis.call('HGET', old, 'exec') == redis.call('HGET', KEYS[2], 'exec')
+      and (old_state == S.running or old_state == S.parking) then
+    move(old, S.queued)
+    redis.call('HINCRBY', old, 'exec', 1)
+    redis.call('ZADD', KEYS[1], redis.call('HGET', old, 'score'), stale)
+  end
+end
 local claimable = state_set(ARGV[4])
 local now = tonumber(ARGV[3])
 local affinity = tonumber(ARGV[5])

@@ -5,9 +5,16 @@
 -- ARGV: execution token, now, checkpoint (JSON), worker name, channel, ttl,
 --       the checkpoint's holder (the worker's process; '' when it keeps no
 --       KV: the job resumes by replay anywhere), cancel payloads...
--- Returns -1 when the execution token is stale, else 'parked' or 'cancelled'.
+-- Returns -1 when the execution token is stale, {-4, n} when the checkpoint
+-- counts more events than the stream's n (writes lost in a failover: nothing
+-- is written; the job is replayed), else 'parked' or 'cancelled'.
 if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
   return -1
+end
+local have = tonumber(redis.call('HGET', KEYS[1], 'seq') or '0')
+local ok, saved = pcall(cjson.decode, ARGV[3])
+if ok and type(saved) == 'table' and tonumber(saved['events'] or 0) > have then
+  return {-4, have}
 end
 release_worker(KEYS[3], KEYS[4], ARGV[4], ARGV[1])
 if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then

@@ -54,3 +54,4 @@ def test_passwords_never_reach_output() -> None:
     assert redact("redis://h:6379") == "redis://h:6379"
     shown = redact("redis+sentinel://:pw@h1:26379,h2/mymaster/0?sentinel_password=sp")
     assert shown == "redis+sentinel://:***@h1:26379,h2/mymaster/0?sentinel_password=***"
+    assert redact("redis://h/0?password=pw&db=1") == "redis://h/0?password=***&db=1"

@@ -16,9 +16,26 @@ def test_claim_takes_highest_priority_then_oldest(store: Store) -> None:
     _enqueue(store, "batch", 0, 100.0)
     _enqueue(store, "late", 10, 102.0)
     _enqueue(store, "early", 10, 101.0)
-    order = [store.claim("w", 200.0).job_id for _ in range(3)]  # type: ignore[union-attr]
+    order = [store.claim(f"w{i}", 200.0).job_id for i in range(3)]  # type: ignore[union-attr]
     assert order == ["early", "late", "batch"]
-    assert store.claim("w", 200.0) is None
+    assert store.claim("w3", 200.0) is None
+
+
+def test_a_claim_first_requeues_a_job_its_sequence_no_longer_runs(store: Store) -> None:
+    """Redis still records job a on sequence w (its end was lost in a failover),
+    and w, free, claims: a goes back to the queue, fenced, no crash counted,
+    and w gets the best job, a itself if it is."""
+    _enqueue(store, "a", 10, 1.0)
+    _enqueue(store, "b", 0, 2.0)
+    first = store.claim("w", 3.0)
+    assert first is not None and first.job_id == "a"
+    again = store.claim("w", 4.0)
+    assert again is not None and again.job_id == "a"
+    assert again.exec_token != first.exec_token  # the lost execution is fenced
+    record = store.get("a") or {}
+    assert record["state"] == "running" and int(record.get("crashes", 0)) == 0
+    with pytest.raises(Fenced):
+        store.step("a", first.exec_token, "w", 1, 1, ["x"])
 
 
 def test_enqueue_refuses_a_taken_id(store: Store) -> None:
@@ -105,7 +122,7 @@ def test_a_job_is_claimed_only_by_a_worker_serving_its_model(
     _enqueue(web_b, "for-b", 0, 2.0)
     claim = Store(fake_redis, settings, _model("b", "b")).claim("wb", 5.0)
     assert claim is not None and claim.job_id == "for-b"
-    assert Store(fake_redis, settings, _model("b", "b")).claim("wb", 6.0) is None
+    assert Store(fake_redis, settings, _model("b", "b")).claim("wb2", 6.0) is None
     rec = web_a.get("for-a")
     assert rec is not None and rec["state"] == "queued"  # left for a worker serving a
     claim = worker_a.claim("wa", 7.0)
@@ -283,3 +300,18 @@ def test_events_lost_in_a_failover_are_noticed_never_skipped_over(store: Store) 
     # A replay writes 4 and 5 again (compared where stored), then goes on.
     store.step("a", claim.exec_token, "w", 6, 1, ["1", "2", "3", "4", "5", "6"])
     assert [d for _, d in store.events_after("a", 0)] == ["1", "2", "3", "4", "5", "6"]
+
+
+def test_a_park_whose_checkpoint_is_ahead_of_the_stream_is_refused(store: Store) -> None:
+    """A step's events were lost in a failover, then the job was asked to park:
+    its checkpoint counts 5 events, the stream holds 3. The park writes nothing
+    (:class:`Lost`), so no resume can start from a checkpoint ahead of the stream."""
+    _enqueue(store, "a", 0, 1.0)
+    store.workers.heartbeat("w", now=1.0, ttl=100)
+    claim = store.claim("w", 2.0)
+    assert claim is not None
+    store.step("a", claim.exec_token, "w", 3, 1, ["1", "2", "3"])
+    with pytest.raises(Lost):
+        store.park("a", claim.exec_token, "w", '{"events": 5}', 3.0)
+    assert (store.get("a") or {})["state"] == "running"
+    assert store.park("a", claim.exec_token, "w", '{"events": 3}', 3.0) == "parked"
