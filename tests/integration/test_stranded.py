@@ -254,14 +254,14 @@ def _holder_keeps_its_job(c: Cluster, redis_server: Any, unaged: dict[str, str])
         assert float(record["resumed_at"]) - float(record["parked_at"]) >= ran - 0.5
 
 
-#: What a failover to a replica that lagged behind does to a job: its stream and
-#: its record as they were ARGV[1] events ago.
-_LAG = """
-local keep = tonumber(redis.call('HGET', KEYS[2], 'seq')) - tonumber(ARGV[1])
-local entries = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', keep)
-redis.call('DEL', KEYS[1])
-for _, e in ipairs(entries) do redis.call('XADD', KEYS[1], e[1], unpack(e[2])) end
-redis.call('HSET', KEYS[2], 'seq', keep)
+#: The job's stream and event number as a lagging replica has them: its first
+#: `keep` events (ARGV[2] fewer than the primary had). KEYS: job, events.
+_TRUNCATE = """
+local keep = tonumber(redis.call('HGET', KEYS[1], 'seq')) - tonumber(ARGV[2])
+local entries = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', keep)
+redis.call('DEL', KEYS[2])
+for _, e in ipairs(entries) do redis.call('XADD', KEYS[2], e[1], unpack(e[2])) end
+redis.call('HSET', KEYS[1], 'seq', keep)
 return keep
 """
 
@@ -279,7 +279,7 @@ def test_events_lost_in_a_failover_are_written_again_never_skipped(
     wait_until(lambda: job(c.base_url, job_id)["tokens"] >= 150, timeout=60)
     r = redis.Redis.from_url(redis_server.url)
     keys = Keys(c.env["PARKQ_KEY_PREFIX"])
-    kept = int(r.eval(_LAG, 2, keys.events(job_id), keys.job(job_id), 50))
+    kept = int(r.eval(_TRUNCATE, 2, keys.job(job_id), keys.events(job_id), "", 50))
     assert kept >= 100
     thread.join(timeout=120)
     assert seen and seen[-1][1] == "[DONE]"
@@ -293,19 +293,16 @@ def test_events_lost_in_a_failover_are_written_again_never_skipped(
 
 
 #: A job's end as a failover to a replica that had not received it leaves it:
-#: `running` on its sequence again, its last ARGV[2] events gone.
-_UNFINISH = """
+#: `running` on its sequence (KEYS[3]) again, its last ARGV[2] events gone.
+_UNFINISH = (
+    """
 redis.call('HSET', KEYS[1], 'state', 'running')
 redis.call('HDEL', KEYS[1], 'finished_at')
 redis.call('PERSIST', KEYS[1])
 redis.call('HSET', KEYS[3], 'job', ARGV[1], 'exec', redis.call('HGET', KEYS[1], 'exec'))
-local keep = tonumber(redis.call('HGET', KEYS[1], 'seq')) - tonumber(ARGV[2])
-local entries = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', keep)
-redis.call('DEL', KEYS[2])
-for _, e in ipairs(entries) do redis.call('XADD', KEYS[2], e[1], unpack(e[2])) end
-redis.call('HSET', KEYS[1], 'seq', keep)
-return keep
 """
+    + _TRUNCATE
+)
 
 
 def test_a_finish_lost_in_a_failover_is_noticed_and_the_job_ends_again(

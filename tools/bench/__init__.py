@@ -1,12 +1,16 @@
 """Every benchmark: `parkq bench` (the mixed workload against its peers:
 workload.py, modes.py, report.py, llama_server.py) and the scripts that print
 their figures and write JSON (``python -m tools.bench.<name>``: pipeline,
-parking, throughput, conversation, concurrency, structured). Not tests."""
+parking, throughput, conversation, concurrency, structured, memory, streams,
+durable, fleet). Not tests."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,3 +81,26 @@ def write_results(path: str, results: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
+
+
+def redis_server(workdir: str, port: int, *extra: str) -> subprocess.Popen[bytes]:
+    """A `redis-server` on loopback ``port`` (no snapshots; ``extra`` options),
+    answering once this returns."""
+    import redis
+
+    from tools.launcher import embedded_redis_server
+
+    binary = shutil.which("redis-server") or embedded_redis_server()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
+                             "--save", "", "--logfile", os.path.join(workdir, f"{port}.log"),
+                             *extra])  # fmt: skip
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client.ping()
+            return proc
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

@@ -23,7 +23,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,25 +32,8 @@ import redis
 
 from jobs.store import StepCall, Store
 from scheduler.settings import load_settings
-from tools.bench import command_line, write_results
-from tools.launcher import embedded_redis_server, free_port
-
-
-def _server(workdir: str, port: int, *extra: str) -> subprocess.Popen[bytes]:
-    binary = shutil.which("redis-server") or embedded_redis_server()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
-                             "--save", "", "--logfile", os.path.join(workdir, f"{port}.log"),
-                             *extra])  # fmt: skip
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            client.ping()
-            return proc
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+from tools.bench import command_line, redis_server, write_results
+from tools.launcher import free_port
 
 
 def _figures(seconds: list[float]) -> dict[str, float]:
@@ -66,8 +48,8 @@ def _figures(seconds: list[float]) -> dict[str, float]:
 def measure(n: int) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="parkq-durable-")
     primary_port, replica_port = free_port(), free_port()
-    procs = [_server(work, primary_port)]
-    procs.append(_server(work, replica_port, "--replicaof", "127.0.0.1", str(primary_port)))
+    procs = [redis_server(work, primary_port)]
+    procs.append(redis_server(work, replica_port, "--replicaof", "127.0.0.1", str(primary_port)))
     try:
         replica = redis.Redis(port=replica_port)
         while replica.info("replication").get("master_link_status") != "up":

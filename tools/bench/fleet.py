@@ -35,7 +35,6 @@ import platform
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -47,8 +46,8 @@ import redis
 from jobs.store import StepCall, Store
 from scheduler.settings import load_settings
 from scheduler.state import JobState
-from tools.bench import command_line, write_results
-from tools.launcher import embedded_redis_server, free_port
+from tools.bench import command_line, redis_server, write_results
+from tools.launcher import free_port
 
 JOB_TOKENS = 200
 PAYLOAD = json.dumps({"id": "cmpl-0123456789abcdef01234567", "object": "text_completion",
@@ -140,23 +139,6 @@ def _process(url: str, prefix: str, names: list[str], seqs: int, rate: float, un
     results.put((latencies, tokens[0]))
 
 
-def _redis(workdir: str, port: int) -> subprocess.Popen[bytes]:
-    binary = shutil.which("redis-server") or embedded_redis_server()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir,
-                             "--save", "", "--maxclients", "20000",
-                             "--logfile", os.path.join(workdir, "redis.log")])  # fmt: skip
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            client.ping()
-            return proc
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
 def _cpu(r: redis.Redis) -> float:
     info = r.info("cpu")
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
@@ -223,7 +205,7 @@ def main() -> None:
     random.seed(0)
     work = tempfile.mkdtemp(prefix="parkq-fleet-")
     port = free_port()
-    proc = _redis(work, port)
+    proc = redis_server(work, port, "--maxclients", "20000")
     url = f"redis://127.0.0.1:{port}/0"
     rows = []
     try:
