@@ -51,7 +51,7 @@ from jobs.store import (
     Store,
     TransitionRefused,
 )
-from jobs.telemetry import Telemetry
+from jobs.telemetry import Telemetry, bucket_of
 from scheduler.policy import PRIORITY_LEVELS, priority_label
 from scheduler.settings import Settings
 from scheduler.state import JobState
@@ -251,6 +251,13 @@ class Executions:
     stopping: threading.Event
     #: A step write saw a waiting job: free sequences claim at the next step.
     _work_waiting: bool
+    #: Inter-token latencies not yet in Redis: observations per bucket, and the
+    #: sum of their milliseconds (written at each beat and at each job's end, one
+    #: round trip, not three commands in every step write).
+    _gaps: dict[str, int]
+    _gaps_ms: float
+    #: When Redis last failed a call (see Worker._reap_disconnected).
+    _redis_lost_at: float
 
     def beat(self, force: bool = True) -> None:
         raise NotImplementedError
@@ -436,12 +443,35 @@ class Executions:
         if write is None:
             return 0
         c, tokens = job.claim, len(job.gen.generated)
-        call = StepCall(c.job_id, c.exec_token, job.slot, tokens, write.first, write.payloads,
-                        write.latency_ms)  # fmt: skip
+        if write.latency_ms is not None and write.payloads:
+            bucket = bucket_of(write.latency_ms)  # each event at the write's mean gap
+            self._gaps[bucket] = self._gaps.get(bucket, 0) + len(write.payloads)
+            self._gaps_ms += write.latency_ms * len(write.payloads)
+        call = StepCall(c.job_id, c.exec_token, job.slot, tokens, write.first, write.payloads)
         return StepWrite(call, partial(self._control, job))
 
     def _observe(self, histogram: str, value_ms: float) -> None:
         self._metric(lambda: self.telemetry.observe(histogram, value_ms))
+
+    def _flush_gaps(self) -> None:
+        """Write the inter-token latencies gathered since the last flush (kept for
+        the next one on a Redis blip)."""
+        if not self._gaps:
+            return
+        gaps, total = dict(self._gaps), self._gaps_ms
+        try:
+            self.telemetry.observe_many("inter_token_ms", gaps, total)
+        except TRANSIENT as exc:
+            self._redis_lost_at = time.time()
+            log.warning("worker %s: latencies kept for the next write (%s)", self.name, exc)
+            return
+        for bucket, n in gaps.items():
+            left = self._gaps[bucket] - n
+            if left:
+                self._gaps[bucket] = left
+            else:
+                del self._gaps[bucket]
+        self._gaps_ms -= total
 
     def _control(self, job: Job, step: Step) -> int:
         """What a step write read back: a waiting job (claim soon), shutdown (park,
@@ -565,6 +595,7 @@ class Executions:
             state = JobState.FINISHED
         # Cancel events are appended after whatever the stream holds (first = 0).
         first = gen.events - len(payloads) + 1 if state is JobState.FINISHED else 0
+        self._flush_gaps()  # its latencies are in the metrics before its [DONE]
         try:
             self._retrying(
                 lambda: self.store.finish(

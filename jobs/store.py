@@ -641,8 +641,8 @@ class Store:
             # EVALSHA queued as is: a Script called on a pipeline would ask
             # SCRIPT EXISTS first, a second round trip every time.
             with self.r.pipeline(transaction=False) as p:
-                for call in calls:
-                    keys, args = self._step_args(call)
+                for n, call in enumerate(calls):
+                    keys, args = self._step_args(call, head=n == 0)  # one look at the queue
                     p.evalsha(script.sha, len(keys), *keys, *args)
                 return list(p.execute())
 
@@ -651,15 +651,21 @@ class Store:
         except redis.exceptions.NoScriptError:  # a restarted Redis: none of them ran
             script.sha = self.r.script_load(script.script)
             replies = run()
-        return [self._step_result(c, got) for c, got in zip(calls, replies, strict=True)]
+        results = [self._step_result(c, got) for c, got in zip(calls, replies, strict=True)]
+        # The queue head the first write read is every job's of this step.
+        head = next((r.head_key for r in results[:1] if isinstance(r, Step)), None)
+        return [
+            Step(r.flags, head, r.detached_at) if isinstance(r, Step) and n else r
+            for n, r in enumerate(results)
+        ]
 
-    def _step_args(self, call: StepCall) -> tuple[list[str], list[Any]]:
+    def _step_args(self, call: StepCall, head: bool = True) -> tuple[list[str], list[Any]]:
         k, job_id = self.keys, call.job_id
         bucket = "" if call.latency_ms is None else bucket_of(call.latency_ms)
         keys = [k.job(job_id), k.events(job_id), k.worker(call.worker), k.queue, k.counters,
                 k.histogram("inter_token_ms")]  # fmt: skip
         args = [call.exec_token, k.channel(job_id), call.tokens, call.first_seq, bucket,
-                call.latency_ms or 0, *call.payloads]  # fmt: skip
+                call.latency_ms or 0, "1" if head else "0", *call.payloads]  # fmt: skip
         return keys, args
 
     @staticmethod

@@ -65,6 +65,17 @@ class Telemetry:
         key = self.keys.histogram(histogram)
         self._observe(keys=[key], args=[bucket_of(value_ms), repr(value_ms)])
 
+    def observe_many(self, histogram: str, buckets: dict[str, int], total_ms: float) -> None:
+        """Add ``buckets`` (bucket -> observations) to a histogram, their values
+        summing to ``total_ms``: one round trip."""
+        key = self.keys.histogram(histogram)
+        with self.r.pipeline() as p:  # all or none: a retry counts nothing twice
+            for bucket, n in buckets.items():
+                p.hincrby(key, bucket, n)
+            p.hincrby(key, "count", sum(buckets.values()))
+            p.hincrbyfloat(key, "sum", total_ms)
+            p.execute()
+
     def record(self, **samples: float) -> None:
         """Keep recent measurements (the last 1,000 of each) for benchmarks and metrics."""
         with self.r.pipeline(transaction=False) as p:

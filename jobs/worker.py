@@ -139,6 +139,8 @@ class Worker(Executions):
         self._absent: dict[str, float] = {}
         self._next_conn_check = 0.0
         self._redis_lost_at = 0.0
+        self._gaps: dict[str, int] = {}
+        self._gaps_ms = 0.0
 
     # -- lifecycle --------------------------------------------------------
 
@@ -209,6 +211,7 @@ class Worker(Executions):
         without a worker. Where Redis is gone nothing can be written: the
         heartbeats age out and the next reaper requeues them."""
         held = {*self._running, *self._returning}
+        self._flush_gaps()
         try:
             names = [slot.name for slot in self.slots if slot.index in held]
             for name in names:
@@ -507,6 +510,7 @@ class Worker(Executions):
             kv_bytes = rss = 0
         self.rq.heartbeat(int(self.settings.worker_ttl) + 60)
         self._reconcile()
+        self._flush_gaps()
         held = self.kv.held()
         if held:
             for job_id, state in self.store.job_states(held).items():

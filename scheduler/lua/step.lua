@@ -5,8 +5,9 @@
 -- KEYS: job hash, events stream, worker hash, queue zset, counters hash,
 --       inter-token latency histogram hash
 -- ARGV: execution token, channel, tokens generated so far, sequence number of
---       the first payload, latency bucket ('' for none), latency (ms),
---       payload, payload, ...
+--       the first payload, latency bucket ('' for none), latency (ms), '1' to
+--       read the queue head ('0': the caller has it from another job's write of
+--       the same step), payload, payload, ...
 -- Returns -1 when the execution token is stale (another execution owns the
 -- job: nothing is written), {-3, n} when a replayed event n differs from the
 -- stored one (nothing from it on is written), {-4, n} when the stream holds
@@ -17,7 +18,7 @@
 if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
   return -1
 end
-local written, diverged = emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[4]), 7)
+local written, diverged = emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[4]), 8)
 if diverged > 0 then
   return {-3, diverged}
 elseif diverged < 0 then
@@ -41,5 +42,6 @@ elseif redis.call('HEXISTS', KEYS[3], 'preempt') == 1 then
   flags = flags + 2
   move(KEYS[1], S.parking)
 end
-local head = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')
+local head = {}
+if ARGV[7] == '1' then head = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES') end
 return {flags, head[2] or false, redis.call('HGET', KEYS[1], 'detached_at')}

@@ -10,7 +10,9 @@ at --rate tokens per second each, through parkq's own code (jobs/store.py,
 jobs/registry.py) and keys:
 
 - one step write per step for all its sequences (the step script, pipelined:
-  one stream entry and one publish per token, the job's counters, the flags);
+  one stream entry and one publish per token, the job's counters, the flags;
+  the queue head read once per step), and its inter-token latencies written
+  once per heartbeat;
 - a job of 200 tokens ends with the finish script, and the sequence claims the
   next (the claim script; the queue is kept full);
 - a heartbeat and a dead-worker check (CLIENT LIST) every 0.5 s, and a reap;
@@ -44,6 +46,7 @@ from typing import Any
 import redis
 
 from jobs.store import StepCall, Store
+from jobs.telemetry import bucket_of
 from scheduler.settings import load_settings
 from scheduler.state import JobState
 from tools.bench import command_line, redis_server, write_results
@@ -77,15 +80,22 @@ def _worker(name: str, url: str, prefix: str, seqs: int, rate: float, until: flo
     next_beat = 0.0
     next_keepalive = time.monotonic() + 15
     period = 1.0 / rate
+    gaps: dict[str, int] = {}
+    bucket = bucket_of(period * 1000)
     step_at = time.monotonic()
     while time.monotonic() < until:
         now = time.time()
-        if now >= next_beat:  # heartbeat, dead-worker check, reap: every 0.5 s
+        if now >= next_beat:  # heartbeat, dead-worker check, reap, latencies: every 0.5 s
             next_beat = now + 0.5
             for slot in slots:
                 store.workers.heartbeat(slot, now, 10, proc=name)
             store.workers.disconnected(now, name)
             store.reap(now, name)
+            if gaps:
+                store.telemetry.observe_many(
+                    "inter_token_ms", gaps, sum(gaps.values()) * period * 1000
+                )
+                gaps.clear()
         for slot in slots:
             if slot not in running:
                 claim = store.claim(slot, now, name)
@@ -97,7 +107,8 @@ def _worker(name: str, url: str, prefix: str, seqs: int, rate: float, until: flo
         for slot, claim in running.items():
             made[slot] += 1
             calls.append(StepCall(claim.job_id, claim.exec_token, slot, made[slot], made[slot],
-                                  [PAYLOAD], period * 1000))  # fmt: skip
+                                  [PAYLOAD]))  # fmt: skip
+            gaps[bucket] = gaps.get(bucket, 0) + 1  # (a worker keeps them until its beat)
         if calls:
             t0 = time.perf_counter()
             store.steps(calls)
