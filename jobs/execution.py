@@ -443,12 +443,8 @@ class Executions:
         if write is None:
             return 0
         c, tokens = job.claim, len(job.gen.generated)
-        if write.latency_ms is not None and write.payloads:
-            bucket = bucket_of(write.latency_ms)  # each event at the write's mean gap
-            self._gaps[bucket] = self._gaps.get(bucket, 0) + len(write.payloads)
-            self._gaps_ms += write.latency_ms * len(write.payloads)
         call = StepCall(c.job_id, c.exec_token, job.slot, tokens, write.first, write.payloads)
-        return StepWrite(call, partial(self._control, job))
+        return StepWrite(call, partial(self._control, job, write.latency_ms))
 
     def _observe(self, histogram: str, value_ms: float) -> None:
         self._metric(lambda: self.telemetry.observe(histogram, value_ms))
@@ -461,8 +457,9 @@ class Executions:
         gaps, total = dict(self._gaps), self._gaps_ms
         try:
             self.telemetry.observe_many("inter_token_ms", gaps, total)
-        except TRANSIENT as exc:
-            self._redis_lost_at = time.time()
+        except redis.RedisError as exc:  # a measurement: never the job's end or the loop
+            if isinstance(exc, TRANSIENT):
+                self._redis_lost_at = time.time()
             log.warning("worker %s: latencies kept for the next write (%s)", self.name, exc)
             return
         for bucket, n in gaps.items():
@@ -473,9 +470,15 @@ class Executions:
                 del self._gaps[bucket]
         self._gaps_ms -= total
 
-    def _control(self, job: Job, step: Step) -> int:
+    def _control(self, job: Job, latency_ms: float | None, step: Step) -> int:
         """What a step write read back: a waiting job (claim soon), shutdown (park,
-        so another worker resumes it), a client gone, a cancel or a park."""
+        so another worker resumes it), a client gone, a cancel or a park. The
+        events it added count in the inter-token latencies, each at the write's
+        mean gap ``latency_ms`` (a replay's events already stored do not)."""
+        if latency_ms is not None and step.written:
+            bucket = bucket_of(latency_ms)
+            self._gaps[bucket] = self._gaps.get(bucket, 0) + step.written
+            self._gaps_ms += latency_ms * step.written
         if step.head_key is not None:
             self._work_waiting = True
         if self.stopping.is_set():

@@ -158,6 +158,8 @@ class Step:
     head_key: float | None
     #: When the job's last stream reader left (None: one is reading, or never read).
     detached_at: float | None = None
+    #: Events this write added (a replay's events already stored are not).
+    written: int = 0
 
 
 @dataclass(frozen=True)
@@ -652,10 +654,18 @@ class Store:
             script.sha = self.r.script_load(script.script)
             replies = run()
         results = [self._step_result(c, got) for c, got in zip(calls, replies, strict=True)]
-        # The queue head the first write read is every job's of this step.
-        head = next((r.head_key for r in results[:1] if isinstance(r, Step)), None)
+        # The queue head the first write read is every job's of this step (read
+        # here when that write ended early: fenced, diverged, lost).
+        head: float | None = None
+        if not results:
+            return []
+        if isinstance(results[0], Step):
+            head = results[0].head_key
+        elif any(isinstance(r, Step) for r in results):
+            top = self.r.zrange(self.keys.queue, 0, 0, withscores=True)
+            head = -float(top[0][1]) if top else None
         return [
-            Step(r.flags, head, r.detached_at) if isinstance(r, Step) and n else r
+            Step(r.flags, head, r.detached_at, r.written) if isinstance(r, Step) and n else r
             for n, r in enumerate(results)
         ]
 
@@ -676,11 +686,12 @@ class Store:
             return Diverged(call.job_id, int(got[1]))
         if int(got[0]) == -4:
             return Lost(call.job_id, int(got[1]))
-        flags, head, detached = got
+        flags, head, detached = got[:3]
         return Step(
             int(flags),
             None if head is None else -float(head),
             None if detached is None else float(detached),
+            int(got[3]) if len(got) > 3 else 0,
         )
 
     def finish(

@@ -69,7 +69,9 @@ class Telemetry:
         """Add ``buckets`` (bucket -> observations) to a histogram, their values
         summing to ``total_ms``: one round trip."""
         key = self.keys.histogram(histogram)
-        with self.r.pipeline() as p:  # all or none: a retry counts nothing twice
+        # All or none (MULTI); a reply lost after it ran, then retried, counts twice:
+        # a measurement, not a job's data.
+        with self.r.pipeline() as p:
             for bucket, n in buckets.items():
                 p.hincrby(key, bucket, n)
             p.hincrby(key, "count", sum(buckets.values()))

@@ -13,7 +13,7 @@
 -- stored one (nothing from it on is written), {-4, n} when the stream holds
 -- only n events, fewer than this write follows (writes lost in a failover:
 -- nothing is written), else {flags, queue head score or false, time the
--- job's last reader left or false}, flags a bit set: 1 cancel requested,
+-- job's last reader left or false, events written (not already stored)}, flags a bit set: 1 cancel requested,
 -- 2 preempt (the job is then marked parking).
 if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
   return -1
@@ -44,4 +44,4 @@ elseif redis.call('HEXISTS', KEYS[3], 'preempt') == 1 then
 end
 local head = {}
 if ARGV[7] == '1' then head = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES') end
-return {flags, head[2] or false, redis.call('HGET', KEYS[1], 'detached_at')}
+return {flags, head[2] or false, redis.call('HGET', KEYS[1], 'detached_at'), written}

@@ -315,3 +315,30 @@ def test_a_park_whose_checkpoint_is_ahead_of_the_stream_is_refused(store: Store)
         store.park("a", claim.exec_token, "w", '{"events": 5}', 3.0)
     assert (store.get("a") or {})["state"] == "running"
     assert store.park("a", claim.exec_token, "w", '{"events": 3}', 3.0) == "parked"
+
+
+def test_a_step_reads_the_queue_head_once_and_says_what_it_added(store: Store) -> None:
+    """Several jobs' writes of one step: the first reads the queue head, every
+    job gets it, even when that first write was fenced; each says how many
+    events it added (a replay's events already stored: none)."""
+    for job_id in ("a", "b"):
+        _enqueue(store, job_id, 0, 1.0)
+    store.workers.heartbeat("w1", now=1.0, ttl=100)
+    store.workers.heartbeat("w2", now=1.0, ttl=100)
+    a, b = store.claim("w1", 2.0), store.claim("w2", 2.0)
+    assert a is not None and b is not None
+    _enqueue(store, "waiting", 10, 3.0)
+    calls = [StepCall(a.job_id, a.exec_token, "w1", 1, 1, ["x"]),
+             StepCall(b.job_id, b.exec_token, "w2", 1, 1, ["y"])]  # fmt: skip
+    first, second = store.steps(calls)
+    assert isinstance(first, Step) and isinstance(second, Step)
+    assert first.head_key is not None and second.head_key == first.head_key
+    assert (first.written, second.written) == (1, 1)
+    # Replayed (already stored): nothing added.
+    [again] = store.steps([StepCall(a.job_id, a.exec_token, "w1", 1, 1, ["x"])])
+    assert isinstance(again, Step) and again.written == 0
+    # The first write fenced: the others still get the head.
+    stale = StepCall(a.job_id, "stale", "w1", 2, 2, ["x2"])
+    fenced, ok = store.steps([stale, StepCall(b.job_id, b.exec_token, "w2", 2, 2, ["y2"])])
+    assert isinstance(fenced, Fenced)
+    assert isinstance(ok, Step) and ok.head_key == first.head_key

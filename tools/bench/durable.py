@@ -74,14 +74,14 @@ def measure(n: int) -> dict[str, Any]:
             payload = json.dumps({"choices": [{"text": " token", "index": 0}], "object": "x"})
             took = []
             for step in range(1, n + 1):
-                calls = [StepCall(c.job_id, c.exec_token, f"w{s}", step, step, [payload], 20.0)
+                calls = [StepCall(c.job_id, c.exec_token, f"w{s}", step, step, [payload])
                          for s, c in enumerate(claims) if c is not None]  # fmt: skip
                 t0 = time.perf_counter()
                 if replicas:
                     script = store._scripts["step"]
                     with store.r.pipeline(transaction=False) as p:
-                        for call in calls:
-                            keys, args = store._step_args(call)
+                        for n, call in enumerate(calls):
+                            keys, args = store._step_args(call, head=n == 0)
                             p.evalsha(script.sha, len(keys), *keys, *args)
                         p.execute_command("WAIT", 1, 1000)
                         p.execute()

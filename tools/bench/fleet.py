@@ -116,6 +116,10 @@ def _worker(name: str, url: str, prefix: str, seqs: int, rate: float, until: flo
             tokens[0] += len(calls)
         for slot in [s for s, n in made.items() if n >= JOB_TOKENS and s in running]:
             claim = running.pop(slot)
+            if gaps:  # (a worker writes its latencies before a job's end)
+                store.telemetry.observe_many("inter_token_ms", gaps,
+                                             sum(gaps.values()) * period * 1000)  # fmt: skip
+                gaps.clear()
             store.finish(claim.job_id, claim.exec_token, slot, JobState.FINISHED,
                          {"finish_reason": "length"}, made[slot] + 1, ["[DONE]"],
                          time.time())  # fmt: skip
