@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from enum import StrEnum
@@ -603,6 +604,7 @@ class Store:
                 proc or worker,
                 self.model.device if self.model else "CPU",
                 self._scan_limit,
+                secrets.token_hex(4),
             ],
         )
         if not got:

@@ -5,7 +5,8 @@
 --       worker never parks (then no one asks it to), the digest of the
 --       worker's model ('' for any), the name of the worker's process (its
 --       sequences share the process's checkpoints), the worker's device, the
---       most queue entries to look at in all
+--       most queue entries to look at in all, a nonce for the execution token
+--       (see lib.lua's token)
 -- The queue is read in pages until a job fits: jobs this worker may not take
 -- (another model's, parked jobs left to their holder) never hide the ones
 -- behind them.
@@ -30,7 +31,7 @@ local stale = redis.call('HGET', KEYS[2], 'job')
 if stale then
   local old = ARGV[1] .. stale
   local old_state = redis.call('HGET', old, 'state')
-  if redis.call('HGET', old, 'exec') == redis.call('HGET', KEYS[2], 'exec')
+  if token(old) == redis.call('HGET', KEYS[2], 'exec')
       and (old_state == S.running or old_state == S.parking) then
     move(old, S.queued)
     redis.call('HINCRBY', old, 'exec', 1)
@@ -69,7 +70,9 @@ while first < limit do
       end
       if mine then
         redis.call('ZREM', KEYS[1], id)
-        local exec = redis.call('HINCRBY', job, 'exec', 1)
+        redis.call('HINCRBY', job, 'exec', 1)
+        redis.call('HSET', job, 'nonce', ARGV[12])
+        local exec = token(job)
         move(job, S.running)
         redis.call('HSET', job, 'worker', ARGV[2], 'resumed_at', ARGV[3])
         redis.call('HSETNX', job, 'started_at', ARGV[3])
@@ -87,7 +90,7 @@ while first < limit do
           redis.call('HSET', job, 'device', ARGV[10])
           redis.call('HINCRBY', job, 'device_moves', 1)
         end
-        return {id, tostring(exec), moved}
+        return {id, exec, moved}
       end
     end
   end

@@ -9,7 +9,7 @@
 -- stored one (the job is left as it was), {-4, n} when the stream holds only n
 -- events, fewer than these follow (writes lost in a failover; the job is left
 -- as it was), 1 when done.
-if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
+if token(KEYS[1]) ~= ARGV[1] then
   return -1
 end
 if not state_set(ARGV[4])[redis.call('HGET', KEYS[1], 'state')] then

@@ -1,5 +1,12 @@
 -- Helpers shared by parkq's scripts: prepended to each script when it is loaded.
 
+-- A job's execution token: its execution counter and the nonce its claimer
+-- gave. A claim lost in a failover rolls the counter back, and the next claim
+-- counts to the same number again: the nonce still tells the two apart.
+local function token(job)
+  return (redis.call('HGET', job, 'exec') or '0') .. '.' .. (redis.call('HGET', job, 'nonce') or '')
+end
+
 -- The set of states in a comma-separated list.
 local function state_set(csv)
   local set = {}

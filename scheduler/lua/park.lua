@@ -8,7 +8,7 @@
 -- Returns -1 when the execution token is stale, {-4, n} when the checkpoint
 -- counts more events than the stream's n (writes lost in a failover: nothing
 -- is written; the job is replayed), else 'parked' or 'cancelled'.
-if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
+if token(KEYS[1]) ~= ARGV[1] then
   return -1
 end
 local have = tonumber(redis.call('HGET', KEYS[1], 'seq') or '0')

@@ -34,7 +34,7 @@ for _, w in ipairs(dead) do
   if id then
     local job = ARGV[2] .. id
     local state = redis.call('HGET', job, 'state')
-    if redis.call('HGET', job, 'exec') == exec and (state == S.running or state == S.parking) then
+    if token(job) == exec and (state == S.running or state == S.parking) then
       local crashes = tonumber(redis.call('HGET', job, 'crashes') or '0')
       if ARGV[10] == '1' then crashes = redis.call('HINCRBY', job, 'crashes', 1) end
       if crashes >= tonumber(ARGV[6]) then

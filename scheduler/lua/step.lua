@@ -15,7 +15,7 @@
 -- nothing is written), else {flags, queue head score or false, time the
 -- job's last reader left or false, events written (not already stored)}, flags a bit set: 1 cancel requested,
 -- 2 preempt (the job is then marked parking).
-if redis.call('HGET', KEYS[1], 'exec') ~= ARGV[1] then
+if token(KEYS[1]) ~= ARGV[1] then
   return -1
 end
 local written, diverged = emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[4]), 8)

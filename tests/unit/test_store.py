@@ -49,7 +49,8 @@ def test_claim_marks_running_with_a_fresh_execution_token(store: Store) -> None:
     assert claim is not None and claim.job_id == "a"
     rec = store.get("a")
     assert rec is not None
-    assert rec["state"] == "running" and rec["worker"] == "w1" and rec["exec"] == claim.exec_token
+    assert rec["state"] == "running" and rec["worker"] == "w1"
+    assert f"{rec['exec']}.{rec['nonce']}" == claim.exec_token
 
 
 def test_step_appends_numbered_events_and_reports_cancel(store: Store) -> None:
@@ -342,3 +343,26 @@ def test_a_step_reads_the_queue_head_once_and_says_what_it_added(store: Store) -
     fenced, ok = store.steps([stale, StepCall(b.job_id, b.exec_token, "w2", 2, 2, ["y2"])])
     assert isinstance(fenced, Fenced)
     assert isinstance(ok, Step) and ok.head_key == first.head_key
+
+
+def test_a_claim_lost_in_a_failover_never_hands_out_the_same_token_again(store: Store) -> None:
+    """Worker w1's claim is lost (the replica had the job queued, its execution
+    counter one lower); w2 claims it and counts to the same number: the tokens
+    still differ, so w1's writes are fenced, never interleaved with w2's."""
+    _enqueue(store, "a", 0, 1.0)
+    store.workers.heartbeat("w1", now=1.0, ttl=100)
+    first = store.claim("w1", 2.0)
+    assert first is not None
+    # What the new primary holds: the job as it was before that claim.
+    key = store.keys.job("a")
+    store.r.hset(key, mapping={"state": "queued", "exec": 0})
+    store.r.zadd(store.keys.queue, {"a": float(store.r.hget(key, "score") or 0)})
+    store.workers.heartbeat("w2", now=3.0, ttl=100)
+    second = store.claim("w2", 3.0)
+    assert second is not None and second.job_id == "a"
+    assert first.exec_token.split(".")[0] == second.exec_token.split(".")[0]  # same count
+    assert first.exec_token != second.exec_token
+    with pytest.raises(Fenced):
+        store.step("a", first.exec_token, "w1", 1, 1, ["from w1"])
+    store.step("a", second.exec_token, "w2", 1, 1, ["from w2"])
+    assert [d for _, d in store.events_after("a", 0)] == ["from w2"]
