@@ -299,7 +299,8 @@ _UNFINISH = (
 redis.call('HSET', KEYS[1], 'state', 'running')
 redis.call('HDEL', KEYS[1], 'finished_at')
 redis.call('PERSIST', KEYS[1])
-redis.call('HSET', KEYS[3], 'job', ARGV[1], 'exec', redis.call('HGET', KEYS[1], 'exec'))
+local token = redis.call('HGET', KEYS[1], 'exec') .. '.' .. redis.call('HGET', KEYS[1], 'nonce')
+redis.call('HSET', KEYS[3], 'job', ARGV[1], 'exec', token)
 """
     + _TRUNCATE
 )
