@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from jobs.testmodel import write_test_model
+from jobs.engine.testmodel import write_test_model
 from tools.launcher import embedded_redis_server, free_port
 
 # Every parkq process the tests start runs llama.cpp on one thread. The tiny

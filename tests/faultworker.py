@@ -46,8 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from jobs.engine import LlamaEngine
-from jobs.store import Store
+from jobs.engine.llama import LlamaEngine
+from jobs.store.scheduling import Store
 
 
 def _seconds(name: str) -> float:
@@ -102,7 +102,7 @@ def _install() -> None:
 
         LlamaEngine.eval = other_eval  # type: ignore[method-assign]
     if job_error:
-        from jobs.execution import Executions
+        from jobs.worker.execution import Executions
 
         original_emit = Executions._emit
         raised: list[bool] = []

@@ -21,7 +21,7 @@ def resolve_model(settings: Settings) -> Settings:
     """Fill in the demo model (assembling it once) when no model is given."""
     if settings.model:
         return settings
-    from jobs.demo_model import DEMO_CHAT_FORMAT, assemble_demo_model, demo_model_target
+    from jobs.engine.demo_model import DEMO_CHAT_FORMAT, assemble_demo_model, demo_model_target
 
     try:
         target = demo_model_target(settings.cache_dir)
@@ -70,7 +70,7 @@ def preflight(settings: Settings) -> None:
         raise click.ClickException(f"cannot read the model file {model}: {exc.strerror}") from None
     if magic != b"GGUF":
         raise click.ClickException(f"{model} is not a GGUF model file (llama.cpp needs GGUF)")
-    from jobs.engine import Vocab
+    from jobs.engine.llama import Vocab
 
     try:
         Vocab(str(path))  # the chat format is checked where it is used
@@ -87,7 +87,7 @@ def check_redis(url: str) -> None:
     """Ping Redis at ``url``; a one-line error saying what to fix if it does not answer."""
     import redis
 
-    from jobs.connect import connect
+    from jobs.store.connect import connect
 
     shown = redact(url)
     try:

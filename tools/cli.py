@@ -116,9 +116,9 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
 
 
 def with_sequences(settings: Settings, workers: int) -> Settings:
-    """``settings`` with the sequences per worker decided (jobs/capacity.py), said
+    """``settings`` with the sequences per worker decided (jobs/engine/capacity.py), said
     in one line: how many, and why."""
-    from jobs.capacity import sequence_plan_elsewhere
+    from jobs.engine.capacity import sequence_plan_elsewhere
 
     try:
         plan = sequence_plan_elsewhere(settings, workers)
@@ -197,7 +197,7 @@ def worker(redis_url: str | None, model: str | None, name: str | None, no_preemp
               show_default=True, help="Type of the weight matrices.")  # fmt: skip
 def make_test_model(path: Path, seed: int, quant: str) -> None:
     """Write the tiny deterministic random-weight GGUF used by the tests."""
-    from jobs.testmodel import write_test_model
+    from jobs.engine.testmodel import write_test_model
 
     write_test_model(path, seed, quant)
     click.echo(f"wrote {path} ({path.stat().st_size} bytes, seed {seed}, {quant})")
@@ -225,7 +225,7 @@ def demo(model: str | None, prompt: str, max_tokens: int | None, question: str) 
     seqs = "one worker"
     if settings.max_seqs is None:
         # One sequence: the question must park the long job, which is what the
-        # demo shows. `parkq up` batches several by default (jobs/capacity.py),
+        # demo shows. `parkq up` batches several by default (jobs/engine/capacity.py),
         # and a full engine parks the same way.
         settings = settings.model_copy(update={"max_seqs": 1})
         seqs = "one worker of one sequence, so that the question must park the long job"
@@ -295,8 +295,8 @@ def bench(model: str | None, quick: bool, duration: float | None, rate: float | 
     engine, greedy and with the openai client's default sampling."""
     import tempfile
 
-    from jobs.engine import Vocab
-    from jobs.testmodel import write_test_model
+    from jobs.engine.llama import Vocab
+    from jobs.engine.testmodel import write_test_model
     from tools.bench import SAMPLING
     from tools.bench.report import run_bench
     from tools.bench.workload import Workload
@@ -367,7 +367,7 @@ def batch(paths: tuple[Path, ...], prompt: str | None, task: str | None, out: Pa
         raise click.UsageError("give --prompt or --task, not both")
     schema = None
     if schema_file is not None:
-        from jobs.constraints import grammar_for_json_schema
+        from jobs.engine.constraints import grammar_for_json_schema
 
         try:
             schema = json.loads(schema_file.read_text(encoding="utf-8"))
@@ -489,7 +489,7 @@ def soak(duration: str, url: str | None, api_key: str | None, model: str | None,
         from tools.launcher import Stack
 
         if tiny and model is None:
-            from jobs.testmodel import write_test_model
+            from jobs.engine.testmodel import write_test_model
 
             model = str(write_test_model(Path(tempfile.mkdtemp()) / "tiny.gguf"))
         settings = resolve_model(load_settings(model=model, port=0, log_level="WARNING"))

@@ -217,8 +217,8 @@ class Stack:
         (to resume by replay) instead of after the worker TTL.
         """
 
-        from jobs.connect import connect
-        from jobs.store import Store
+        from jobs.store.connect import connect
+        from jobs.store.scheduling import Store
 
         client = connect(self.settings.redis_url or "")
         try:
@@ -229,7 +229,7 @@ class Stack:
     def _wait_redis(self, timeout: float = 20.0) -> None:
         import redis
 
-        from jobs.connect import connect
+        from jobs.store.connect import connect
 
         client = connect(self.settings.redis_url or "")
         deadline = time.monotonic() + timeout

@@ -11,12 +11,12 @@ from typing import Any
 
 import click
 
-from jobs.capacity import sequence_plan
-from jobs.connect import connect
-from jobs.engine import LlamaEngine, NotRepeatable, build_info
-from jobs.identity import identify
-from jobs.kernels import invariant_batch_size, worker_kernels
-from jobs.worker import Worker, default_worker_name
+from jobs.engine.capacity import sequence_plan
+from jobs.engine.kernels import invariant_batch_size, worker_kernels
+from jobs.engine.llama import LlamaEngine, NotRepeatable, build_info
+from jobs.store.connect import connect
+from jobs.store.identity import identify
+from jobs.worker.loop import Worker, default_worker_name
 from scheduler.settings import Settings
 from web.app import model_name
 

@@ -10,11 +10,11 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from jobs.batches import BatchStore
-from jobs.generation import GenerationRequest
-from jobs.identity import ModelIdentity
-from jobs.prompts import chat_ids
-from jobs.store import Cancelled, Ending, JobEnded, QueueFull
+from jobs.engine.prompts import chat_ids
+from jobs.store.batches import BatchStore
+from jobs.store.identity import ModelIdentity
+from jobs.store.scheduling import Cancelled, Ending, JobEnded, QueueFull
+from jobs.worker.generation import GenerationRequest
 from scheduler.state import TERMINAL, JobState
 from web.errors import (
     BadRequest,

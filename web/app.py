@@ -8,10 +8,10 @@ import redis
 from flask import Flask
 from werkzeug.middleware.proxy_fix import ProxyFix
 
-from jobs.connect import connect
-from jobs.prompts import spellings
-from jobs.rqjobs import RQBridge
-from jobs.store import Store
+from jobs.engine.prompts import spellings
+from jobs.store.connect import connect
+from jobs.store.rqjobs import RQBridge
+from jobs.store.scheduling import Store
 from scheduler.settings import Settings
 from web import auth, errors
 from web.runtime import Runtime, VocabLike
@@ -62,8 +62,8 @@ def create_app(
     if vocab is None:
         if not settings.model:
             raise ValueError("PARKQ_MODEL is required")
-        from jobs.engine import Vocab
-        from jobs.identity import identify
+        from jobs.engine.llama import Vocab
+        from jobs.store.identity import identify
 
         loaded = Vocab(settings.model, settings.chat_format)
         n_ctx = settings.n_ctx or loaded.n_ctx_train

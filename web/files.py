@@ -7,7 +7,7 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
 
-from jobs.batches import BatchStore
+from jobs.store.batches import BatchStore
 from web.errors import BadRequest, NotFound, PayloadTooLarge
 from web.runtime import current
 from web.tenants import caller, sees

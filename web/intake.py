@@ -10,15 +10,15 @@ from typing import Any
 
 from flask import request
 
-from jobs.constraints import (
+from jobs.engine.constraints import (
     GrammarError,
     grammar_for_json_object,
     grammar_for_json_schema,
     grammar_for_tool_calls,
 )
-from jobs.generation import GenerationRequest
-from jobs.prompts import chat_ids
-from jobs.sampling import SamplingParams
+from jobs.engine.prompts import chat_ids
+from jobs.engine.sampling import SamplingParams
+from jobs.worker.generation import GenerationRequest
 from scheduler.policy import priority_level
 from web.errors import BadRequest, ContextLengthExceeded, ModelMismatch
 from web.runtime import Runtime, current

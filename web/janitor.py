@@ -28,9 +28,9 @@ from typing import Any
 import redis
 from flask import Flask
 
-from jobs.batches import BatchStore
-from jobs.store import Store
-from jobs.telemetry import as_text
+from jobs.store.batches import BatchStore
+from jobs.store.scheduling import Store
+from jobs.store.telemetry import as_text
 from scheduler.state import JobState
 from web.responses import result_of
 

@@ -22,9 +22,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from jobs.stepclock import PARTS
-from jobs.store import Store
-from jobs.telemetry import BUCKETS_MS
+from jobs.store.scheduling import Store
+from jobs.store.telemetry import BUCKETS_MS
+from jobs.worker.stepclock import PARTS
 from scheduler.policy import priority_label
 from web.tenants import caller
 

@@ -8,9 +8,9 @@ from typing import Any, Protocol
 
 import redis
 
-from jobs.identity import ModelIdentity
-from jobs.rqjobs import RQBridge
-from jobs.store import Store
+from jobs.store.identity import ModelIdentity
+from jobs.store.rqjobs import RQBridge
+from jobs.store.scheduling import Store
 from scheduler.settings import Settings
 from web.slots import Slots
 

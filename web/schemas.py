@@ -154,7 +154,7 @@ class ChatRequest(_Common):
     tools: list[dict[str, Any]] | None = None
     #: ``auto`` (the default): the model may call tools; ``none``: it sees none and
     #: calls none; ``required``: it calls one or more; named: it calls that one.
-    #: Enforced by a grammar (jobs/constraints.py), not by the prompt.
+    #: Enforced by a grammar (jobs/engine/constraints.py), not by the prompt.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     #: With ``required`` or a named choice: False allows exactly one call.
     parallel_tool_calls: bool | None = None

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 
 import redis
 
-from jobs.events import DONE, error_event
-from jobs.store import Store
+from jobs.store.events import DONE, error_event
+from jobs.store.scheduling import Store
 
 __all__ = ["KEEPALIVE", "client_gone", "events", "frame", "merged"]
 

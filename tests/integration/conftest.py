@@ -16,7 +16,7 @@ import pytest
 import redis
 import requests
 
-from jobs.testmodel import write_test_model
+from jobs.engine.testmodel import write_test_model
 from tools.launcher import free_port
 
 

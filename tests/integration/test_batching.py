@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from jobs.engine import PROBE_STRIDE, LlamaEngine, NotRepeatable
-from jobs.kernels import invariant_batch_size
-from jobs.testmodel import write_test_model
+from jobs.engine.kernels import invariant_batch_size
+from jobs.engine.llama import PROBE_STRIDE, LlamaEngine, NotRepeatable
+from jobs.engine.testmodel import write_test_model
 from tests.faultworker import batch_variant
 from tests.integration.helpers import (
     completion_text,

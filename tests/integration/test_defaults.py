@@ -13,7 +13,7 @@ import openai
 import pytest
 import requests
 
-from jobs.capacity import sequence_plan
+from jobs.engine.capacity import sequence_plan
 from scheduler.settings import Settings
 from tests.integration.conftest import start_parkq, stop_parkq
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jobs.engine import LlamaEngine
+from jobs.engine.llama import LlamaEngine
 
 
 @pytest.fixture(scope="module")

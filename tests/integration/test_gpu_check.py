@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.engine import LlamaEngine, device_key, gpu_layers
-from jobs.kernels import invariant_batch_size
+from jobs.engine.kernels import invariant_batch_size
+from jobs.engine.llama import LlamaEngine, device_key, gpu_layers
 from scheduler.settings import load_settings
 
 ROOT = Path(__file__).parents[2]

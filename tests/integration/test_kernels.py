@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jobs.engine import LlamaEngine
-from jobs.kernels import choose_kernels, worker_kernels
+from jobs.engine.kernels import choose_kernels, worker_kernels
+from jobs.engine.llama import LlamaEngine
 from scheduler.settings import Settings, load_settings
 
 #: A probe child that dies as llama.cpp's AMX kernels do on the machines where they crash.

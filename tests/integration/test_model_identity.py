@@ -17,7 +17,7 @@ import pytest
 import redis
 import requests
 
-from jobs.testmodel import write_test_model
+from jobs.engine.testmodel import write_test_model
 from tests.integration.helpers import job, wait_until
 from tests.integration.test_workers import Cluster
 

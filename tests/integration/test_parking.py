@@ -13,7 +13,7 @@ import pytest
 import redis
 import requests
 
-from jobs.stepclock import PARTS
+from jobs.worker.stepclock import PARTS
 from scheduler.keys import Keys
 from tests.integration.conftest import TEST_ENV, Server, start_parkq, stop_parkq
 from tests.integration.helpers import (

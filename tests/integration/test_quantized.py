@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.testmodel import write_test_model
+from jobs.engine.testmodel import write_test_model
 from tests.integration.conftest import TEST_ENV, Server, start_parkq, stop_parkq
 from tests.integration.helpers import (
     completion_text,

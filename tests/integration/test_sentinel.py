@@ -175,8 +175,8 @@ def test_an_accepted_job_waits_for_a_replica_and_is_answered_without_one(
     """With a Sentinel URL a new job is answered once a replica holds it (WAIT);
     with the replica gone it is answered all the same after PARKQ_DURABLE_WAIT_MS,
     and the log says the write could be lost."""
-    from jobs.connect import connect
-    from jobs.store import Store
+    from jobs.store.connect import connect
+    from jobs.store.scheduling import Store
     from scheduler.settings import load_settings
 
     settings = load_settings(redis_url=sentinels.url, durable_wait_ms=200, key_prefix="dur")

@@ -17,8 +17,8 @@ import pytest
 import redis
 import requests
 
-from jobs.identity import ModelIdentity
-from jobs.store import Store
+from jobs.store.identity import ModelIdentity
+from jobs.store.scheduling import Store
 from scheduler.keys import Keys
 from scheduler.settings import load_settings
 from tests.integration.helpers import (

@@ -3,7 +3,7 @@ from __future__ import annotations
 import fakeredis
 import pytest
 
-from jobs.store import Store
+from jobs.store.scheduling import Store
 from scheduler.settings import Settings
 
 

@@ -10,8 +10,8 @@ import fakeredis
 import pytest
 from flask.testing import FlaskClient
 
-from jobs.events import DONE
-from jobs.store import Store
+from jobs.store.events import DONE
+from jobs.store.scheduling import Store
 from scheduler.settings import Settings
 from tests.fakes import FakeVocab
 from web.app import create_app

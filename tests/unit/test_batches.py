@@ -13,8 +13,8 @@ import fakeredis
 import pytest
 from flask.testing import FlaskClient
 
-from jobs.batches import BatchStore
-from jobs.worker import Worker
+from jobs.store.batches import BatchStore
+from jobs.worker.loop import Worker
 from scheduler.settings import Settings
 from tests.fakes import FakeEngine, FakeVocab
 from web.app import create_app
@@ -244,8 +244,8 @@ def _run_unread(
 ) -> list[Any]:
     """Wait for the batch's ``lines`` lines to be validated, then run them all on
     a worker, with no one reading the batch; its items."""
-    from jobs.batches import BatchStore
-    from jobs.store import Store
+    from jobs.store.batches import BatchStore
+    from jobs.store.scheduling import Store
 
     batches = BatchStore(Store(fake_redis, settings))
     deadline = time.monotonic() + 30
@@ -389,7 +389,7 @@ def test_the_janitor_drops_gone_ids_from_every_tenants_index(
 ) -> None:
     """A tenant that never lists its files still gets its index pruned: the ids
     of files deleted or expired behind its back go."""
-    from jobs.store import Store
+    from jobs.store.scheduling import Store
 
     store = BatchStore(Store(fake_redis, settings))
     kept = store.create_file("a.jsonl", "batch", b"{}\n", time.time(), owner="t1")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobs.capacity import kv_bytes_per_position, plan_sequences
+from jobs.engine.capacity import kv_bytes_per_position, plan_sequences
 
 GIB = 2**30
 #: gemma-3-270m's metadata (the demo model): 18 layers, 1 KV head of 256.

@@ -6,7 +6,7 @@ import pytest
 import redis
 from redis.sentinel import SentinelConnectionPool
 
-from jobs.connect import connect, parse_sentinel_url
+from jobs.store.connect import connect, parse_sentinel_url
 from tools.checks import redact
 
 

@@ -17,13 +17,13 @@ def test_json_log_lines_carry_the_job_id(monkeypatch) -> None:
     saved = root.handlers[:], root.level
     try:
         configure_logging("INFO", "json")
-        logging.getLogger("jobs.worker").info("job %s: parked after %d tokens", "cmpl-1", 12)
+        logging.getLogger("jobs.worker.loop").info("job %s: parked after %d tokens", "cmpl-1", 12)
     finally:
         root.handlers[:], level = saved
         root.setLevel(level)
     entry = json.loads(stream.getvalue().strip())
     assert entry["msg"] == "job cmpl-1: parked after 12 tokens"
-    assert entry["level"] == "info" and entry["logger"] == "jobs.worker"
+    assert entry["level"] == "info" and entry["logger"] == "jobs.worker.loop"
 
 
 def test_gunicorns_own_lines_follow_the_log_format(monkeypatch) -> None:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from jobs.generation import Generation, GenerationRequest
-from jobs.runner import PREEMPT, Start, drive
-from jobs.sampling import SamplingParams
+from jobs.engine.sampling import SamplingParams
+from jobs.worker.generation import Generation, GenerationRequest
+from jobs.worker.runner import PREEMPT, Start, drive
 from tests.fakes import FakeEngine
 
 
@@ -107,7 +107,7 @@ def test_tool_call_cut_by_parking_keeps_id_and_arguments() -> None:
 
 
 def test_a_cached_prompt_prefix_changes_nothing() -> None:
-    from jobs.checkpoints import PrefixCache
+    from jobs.engine.checkpoints import PrefixCache
 
     first = _request(b"a shared system prompt, then question one?", max_tokens=20)
     second = _request(b"a shared system prompt, then question two!", max_tokens=20)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from jobs.prompts import chat_ids
+from jobs.engine.prompts import chat_ids
 
 CTL = 1000  # the id of "<ctl>"
 

@@ -1,9 +1,9 @@
 import json
 
-from jobs.events import DONE
-from jobs.generation import Generation, GenerationRequest
-from jobs.runner import CANCEL, drive
-from jobs.sampling import SamplingParams
+from jobs.engine.sampling import SamplingParams
+from jobs.store.events import DONE
+from jobs.worker.generation import Generation, GenerationRequest
+from jobs.worker.runner import CANCEL, drive
 from tests.fakes import EOS, FakeEngine
 
 

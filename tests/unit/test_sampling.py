@@ -4,7 +4,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from jobs.sampling import SamplingParams, logprobs_of, sample, token_counts
+from jobs.engine.sampling import SamplingParams, logprobs_of, sample, token_counts
 
 
 def _logits(seed: int = 0, n: int = 100) -> np.ndarray:

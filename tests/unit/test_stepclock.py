@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobs.stepclock import PARTS, StepClock
+from jobs.worker.stepclock import PARTS, StepClock
 
 
 def test_the_rest_of_the_busy_time_is_other_and_a_take_starts_over() -> None:

@@ -1,9 +1,9 @@
 import fakeredis
 import pytest
 
-from jobs.events import DONE
-from jobs.identity import ModelIdentity
-from jobs.store import Diverged, Fenced, JobEnded, Lost, Step, StepCall, Store
+from jobs.store.events import DONE
+from jobs.store.identity import ModelIdentity
+from jobs.store.scheduling import Diverged, Fenced, JobEnded, Lost, Step, StepCall, Store
 from scheduler.settings import Settings
 from scheduler.state import JobState
 

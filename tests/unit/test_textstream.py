@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jobs.textstream import StopMatcher, Utf8Decoder
+from jobs.engine.textstream import StopMatcher, Utf8Decoder
 
 
 def test_multibyte_character_is_held_until_complete() -> None:

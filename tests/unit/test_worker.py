@@ -14,12 +14,12 @@ import fakeredis
 import numpy as np
 import redis
 
-from jobs.engine import EngineError
-from jobs.generation import GenerationRequest
-from jobs.rqjobs import RQBridge
-from jobs.sampling import SamplingParams
-from jobs.store import StepCall, Store
-from jobs.worker import Worker
+from jobs.engine.llama import EngineError
+from jobs.engine.sampling import SamplingParams
+from jobs.store.rqjobs import RQBridge
+from jobs.store.scheduling import StepCall, Store
+from jobs.worker.generation import GenerationRequest
+from jobs.worker.loop import Worker
 from scheduler.settings import Settings
 from tests.fakes import FakeEngine
 
@@ -239,7 +239,7 @@ def test_a_job_whose_rq_function_is_not_parkqs_is_refused(
     _submit(store, rq, "good", b"fine")
     data = fake_redis.hget("rq:job:good", "data")
     assert data is not None  # zlib-compressed JSON (RQ's format), never a pickle
-    assert json.loads(zlib.decompress(data))[0] == "jobs.rqjobs.generate"
+    assert json.loads(zlib.decompress(data))[0] == "jobs.store.rqjobs.generate"
     worker = Worker(settings, FakeEngine(), fake_redis, name="w1")
     with _running(worker):
         rogue_rec = _wait_state(store, "rogue", {"failed", "finished"})
@@ -247,6 +247,27 @@ def test_a_job_whose_rq_function_is_not_parkqs_is_refused(
     assert rogue_rec["state"] == "failed" and rogue_rec["tokens"] == "0"
     assert json.loads(store.events_after("rogue", 0)[0][1])["error"]["code"] == "invalid_job"
     assert good["state"] == "finished"
+
+
+def test_a_job_queued_before_jobs_had_rooms_still_runs(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    """A Redis kept across an upgrade holds RQ records naming parkq's function by
+    its old module path; such a job runs, it is not refused as a rogue one."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    store = Store(fake_redis, settings)
+    req = GenerationRequest("completion", "fake", list(b"old"), 5, SamplingParams(temperature=0))
+    Job.create(
+        "jobs.rqjobs.generate", args=("queued-before",), id="queued-before",
+        connection=fake_redis, serializer=JSONSerializer,
+    ).save()  # fmt: skip
+    store.enqueue("queued-before", "completion", req.to_json(), 10, time.time())
+    worker = Worker(settings, FakeEngine(), fake_redis, name="w1")
+    with _running(worker):
+        rec = _wait_state(store, "queued-before", {"failed", "finished"})
+    assert rec["state"] == "finished" and rec["tokens"] == "5"
 
 
 def _writes_for(
@@ -307,8 +328,8 @@ def _text(store: Store, job_id: str) -> str:
 def test_a_preemption_during_a_replay_never_leaves_the_job_parking(
     fake_redis: fakeredis.FakeRedis, settings: Settings
 ) -> None:
-    from jobs.generation import Generation
-    from jobs.runner import PREEMPT, drive
+    from jobs.worker.generation import Generation
+    from jobs.worker.runner import PREEMPT, drive
 
     settings = settings.model_copy(update={"n_batch": 4, "write_interval_seconds": 0.0})
     store = Store(fake_redis, settings)
@@ -354,8 +375,8 @@ class _SlowEngine(FakeEngine):
 def test_a_slow_replay_keeps_its_worker_alive(
     fake_redis: fakeredis.FakeRedis, settings: Settings
 ) -> None:
-    from jobs.generation import Generation
-    from jobs.runner import PREEMPT, drive
+    from jobs.worker.generation import Generation
+    from jobs.worker.runner import PREEMPT, drive
 
     # A replay of 30 tokens at 0.1 s each, prefill chunks of 32: a heartbeat only
     # every chunk would leave 3 s between beats, past the 2 s TTL.

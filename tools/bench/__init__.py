@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from jobs.engine import LlamaEngine
+    from jobs.engine.llama import LlamaEngine
 
 
 #: The sampling arms: each system's request fields for it. ``default`` is what
@@ -47,7 +47,7 @@ def model_and_chat_format(path: str | None) -> tuple[str, str | None]:
     """The model to measure: ``path``, or the demo model (assembled once)."""
     if path is not None:
         return path, None
-    from jobs.demo_model import DEMO_CHAT_FORMAT, assemble_demo_model, demo_model_target
+    from jobs.engine.demo_model import DEMO_CHAT_FORMAT, assemble_demo_model, demo_model_target
 
     target = demo_model_target(None)
     return str(target if target.exists() else assemble_demo_model(target)), DEMO_CHAT_FORMAT

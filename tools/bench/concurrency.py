@@ -33,7 +33,7 @@ from typing import Any
 
 import requests
 
-from jobs.engine import gpu_layers
+from jobs.engine.llama import gpu_layers
 from scheduler.settings import load_settings
 from tools.bench import SAMPLING, command_line, write_results
 from tools.bench.llama_server import llama_server_path, running_llama_server
@@ -117,10 +117,10 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def counters(redis_url: str, settings: Any) -> dict[str, float]:
-    """The fleet's counters (jobs/telemetry.py) of the stack at ``redis_url``."""
+    """The fleet's counters (jobs/store/telemetry.py) of the stack at ``redis_url``."""
     import redis as redis_lib
 
-    from jobs.store import Store
+    from jobs.store.scheduling import Store
 
     client = redis_lib.Redis.from_url(redis_url)
     try:
@@ -132,7 +132,7 @@ def counters(redis_url: str, settings: Any) -> dict[str, float]:
 def step_split(redis_url: str, settings: Any, before: dict[str, float]) -> dict[str, float]:
     """The share of each part of the workers' busy time since ``before`` (the
     counters read then), after the next heartbeat has flushed them."""
-    from jobs.stepclock import PARTS
+    from jobs.worker.stepclock import PARTS
 
     time.sleep(settings.heartbeat_seconds + 0.3)
     now = counters(redis_url, settings)
@@ -155,7 +155,7 @@ def _peer_binary(given: str | None) -> str | None:
 
 
 def _demo_model() -> str:
-    from jobs.demo_model import assemble_demo_model, demo_model_target
+    from jobs.engine.demo_model import assemble_demo_model, demo_model_target
 
     target = demo_model_target(None)
     return str(target if target.exists() else assemble_demo_model(target))
@@ -179,7 +179,7 @@ def main() -> None:
                     help="arms: greedy, default (the openai client's: temperature 1)")  # fmt: skip
     args = ap.parse_args()
 
-    from jobs.kernels import worker_kernels
+    from jobs.engine.kernels import worker_kernels
     from tools.launcher import Stack
 
     clients_list = [int(x) for x in args.clients.split(",")]
@@ -187,7 +187,7 @@ def main() -> None:
     unknown = [a for a in arms if a not in SAMPLING]
     if unknown:
         ap.error(f"--sampling takes {', '.join(SAMPLING)}, not {', '.join(unknown)}")
-    from jobs.capacity import sequence_plan
+    from jobs.engine.capacity import sequence_plan
 
     # "default": PARKQ_MAX_SEQS unset, what `parkq up` chooses here.
     seqs_list = [None if x == "default" else int(x) for x in args.seqs.split(",")]

@@ -4,7 +4,7 @@ cost per decoding step.
     python -m tools.bench.durable [--n 2000] [--out FILE.json]
 
 Starts a primary and one replica (`redis-server`, loopback) and times, --n
-times each, with parkq's own scripts and keys (jobs/store.py):
+times each, with parkq's own scripts and keys (jobs/store/scheduling.py):
 
 - accepting a job (the enqueue script) alone, and followed by ``WAIT 1`` on the
   same connection (what PARKQ_DURABLE_REPLICAS=1 does, the default with a
@@ -30,7 +30,7 @@ from typing import Any
 
 import redis
 
-from jobs.store import StepCall, Store
+from jobs.store.scheduling import StepCall, Store
 from scheduler.settings import load_settings
 from tools.bench import command_line, redis_server, write_results
 from tools.launcher import free_port

@@ -6,8 +6,8 @@ work of real ones, with no engine, and simulated streaming clients.
 
 Starts one `redis-server` (loopback) and, for each fleet size W in --fleets,
 W simulated workers for --seconds seconds. Each worker runs --seqs sequences
-at --rate tokens per second each, through parkq's own code (jobs/store.py,
-jobs/registry.py) and keys:
+at --rate tokens per second each, through parkq's own code (jobs/store/scheduling.py,
+jobs/store/registry.py) and keys:
 
 - one step write per step for all its sequences (the step script, pipelined:
   one stream entry and one publish per token, the job's counters, the flags;
@@ -45,8 +45,8 @@ from typing import Any
 
 import redis
 
-from jobs.store import StepCall, Store
-from jobs.telemetry import bucket_of
+from jobs.store.scheduling import StepCall, Store
+from jobs.store.telemetry import bucket_of
 from scheduler.settings import load_settings
 from scheduler.state import JobState
 from tools.bench import command_line, redis_server, write_results

@@ -99,7 +99,7 @@ def _run(cmd: list[str], timeout: float = 30) -> str:
 
 
 def environment(check: Check) -> dict[str, Any]:
-    from jobs.engine import build_info, devices
+    from jobs.engine.llama import build_info, devices
 
     smi = shutil.which("nvidia-smi")
     fields = "name,driver_version,memory.total,clocks.max.sm,power.limit"
@@ -116,7 +116,7 @@ def environment(check: Check) -> dict[str, Any]:
 
 
 def models(check: Check) -> dict[str, Any]:
-    from jobs.testmodel import write_shaped_model
+    from jobs.engine.testmodel import write_shaped_model
 
     shape = check.shape
     out: dict[str, Any] = {"shape": shape}
@@ -129,7 +129,7 @@ def models(check: Check) -> dict[str, Any]:
 
 
 def _engine(model: str, seqs: int, n_ctx: int) -> Any:
-    from jobs.engine import LlamaEngine
+    from jobs.engine.llama import LlamaEngine
 
     return LlamaEngine(model, n_ctx=n_ctx, n_batch=256, n_seq_max=seqs, extra_buffers=False)
 
@@ -214,7 +214,7 @@ def park(check: Check) -> dict[str, Any]:
 
 def step(check: Check) -> dict[str, Any]:
     """A decode call's time by batch size, and the sampler's time per token."""
-    from jobs.sampling import SamplingParams, sample
+    from jobs.engine.sampling import SamplingParams, sample
 
     engine = _engine(check.models["q8_0"], check.limit, 512)
     out: dict[str, Any] = {"device": engine.device, "n_vocab": engine.n_vocab}
@@ -250,7 +250,7 @@ def _settings(check: Check, seqs: int | None, n_ctx: int = 1024, exact: bool = T
 
 
 def concurrency(check: Check) -> dict[str, Any]:
-    from jobs.engine import gpu_layers
+    from jobs.engine.llama import gpu_layers
     from tools.bench import SAMPLING
     from tools.bench.concurrency import burst
     from tools.bench.llama_server import running_llama_server

@@ -72,7 +72,7 @@ def _batch(base: str, lines: int, k: int) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model, chat_format = model_and_chat_format(None if args.tiny else args.model)
     if args.tiny:
-        from jobs.testmodel import write_test_model
+        from jobs.engine.testmodel import write_test_model
 
         model = str(write_test_model(f"/tmp/parkq-memory-tiny-{time.time_ns()}.gguf", seed=0))
         chat_format = None

@@ -12,9 +12,9 @@ import numpy as np
 import redis
 import requests
 
-from jobs.engine import gpu_layers, reference_generate, set_llama_extra_buffers
-from jobs.kernels import peer_server_command, worker_kernels
-from jobs.store import Store
+from jobs.engine.kernels import peer_server_command, worker_kernels
+from jobs.engine.llama import gpu_layers, reference_generate, set_llama_extra_buffers
+from jobs.store.scheduling import Store
 from scheduler.settings import Settings
 from tools.bench.llama_server import serving
 from tools.bench.workload import SHORT_BODY, Observed, Request, Workload, play, stream

@@ -24,10 +24,10 @@ import numpy as np
 import redis
 import requests
 
-from jobs.engine import LlamaEngine
-from jobs.generation import Generation, GenerationRequest
-from jobs.sampling import SamplingParams
-from jobs.store import Store
+from jobs.engine.llama import LlamaEngine
+from jobs.engine.sampling import SamplingParams
+from jobs.store.scheduling import Store
+from jobs.worker.generation import Generation, GenerationRequest
 from scheduler.settings import load_settings
 from tools.bench import SAMPLING, command_line, model_and_chat_format, write_results
 from tools.bench.workload import Request, stream

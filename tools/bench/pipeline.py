@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jobs.engine import LlamaEngine
+from jobs.engine.llama import LlamaEngine
 from scheduler.settings import load_settings
 from tools.bench import SAMPLING, command_line, greedy_decode, write_results
 from tools.bench.workload import Request, stream
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="llama.cpp threads (default: PARKQ_N_THREADS)")
     args = ap.parse_args()
 
-    from jobs.testmodel import write_test_model
+    from jobs.engine.testmodel import write_test_model
     from tools.launcher import Stack
 
     model = args.model or str(write_test_model(Path(tempfile.mkdtemp()) / "tiny.gguf"))

@@ -5,7 +5,7 @@ against a plain implementation that sorts the whole vocabulary.
 
 Generates ``--steps`` tokens greedily from a prompt on the model (default: the
 demo model, 262,144 tokens of vocabulary) and keeps every step's logits; then
-times, per mode, ``jobs.sampling.sample`` over all of them (each step a fresh
+times, per mode, ``jobs.engine.sampling.sample`` over all of them (each step a fresh
 array, as the engine hands them over), beside the reference that sorts the
 vocabulary (what the sampler did before: float64, a stable argsort, then the
 cuts). Prints milliseconds per token and writes JSON.
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from jobs.engine import LlamaEngine
-from jobs.sampling import SamplingParams, sample
+from jobs.engine.llama import LlamaEngine
+from jobs.engine.sampling import SamplingParams, sample
 from tools.bench import command_line, model_and_chat_format, write_results
 
 PROMPT = "The history of the printing press begins in the fifteenth century, when"

@@ -115,7 +115,7 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
 
 
 def measure(streams: int, hold: float) -> dict[str, Any]:
-    from jobs.testmodel import write_test_model
+    from jobs.engine.testmodel import write_test_model
 
     model = str(write_test_model(f"/tmp/parkq-streams-tiny-{time.time_ns()}.gguf", seed=0))
     settings = load_settings(model=model, port=0, log_level="WARNING", max_streams=streams,

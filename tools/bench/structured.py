@@ -16,9 +16,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from jobs.constraints import grammar_for_json_schema
-from jobs.engine import LlamaEngine
-from jobs.sampling import SamplingParams, sample
+from jobs.engine.constraints import grammar_for_json_schema
+from jobs.engine.llama import LlamaEngine
+from jobs.engine.sampling import SamplingParams, sample
 from tools.bench import command_line, model_and_chat_format, write_results
 
 SCHEMA = {

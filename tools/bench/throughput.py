@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jobs.engine import LlamaEngine, reference_generate
+from jobs.engine.llama import LlamaEngine, reference_generate
 from tools.bench import SAMPLING, command_line, greedy_decode, model_and_chat_format, write_results
 from tools.bench.workload import Request, stream
 

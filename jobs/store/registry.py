@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import redis
 
-from jobs.identity import ModelIdentity
-from jobs.telemetry import as_text
+from jobs.store.identity import ModelIdentity
+from jobs.store.telemetry import as_text
 from scheduler.keys import Keys
 
 __all__ = ["WorkerRegistry"]

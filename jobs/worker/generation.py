@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from jobs.chunks import ChunkWriter
-from jobs.constraints import Constraint
-from jobs.events import DONE
-from jobs.sampling import SamplingParams, TokenLogprob, logprobs_of, sample, token_counts
-from jobs.stepclock import CLOCK
-from jobs.textstream import StopMatcher, Utf8Decoder
-from jobs.toolcalls import ToolCall, ToolCallParser
+from jobs.engine.constraints import Constraint
+from jobs.engine.sampling import SamplingParams, TokenLogprob, logprobs_of, sample, token_counts
+from jobs.engine.textstream import StopMatcher, Utf8Decoder
+from jobs.engine.toolcalls import ToolCall, ToolCallParser
+from jobs.store.events import DONE
+from jobs.worker.chunks import ChunkWriter
+from jobs.worker.stepclock import CLOCK
 
 __all__ = ["Generation", "GenerationRequest"]
 

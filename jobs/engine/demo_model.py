@@ -17,7 +17,7 @@ DEMO_CHAT_FORMAT = "gemma"
 
 def install_hint() -> str:
     """The command that installs the demo extra for this installation of parkq."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     if (root / "pyproject.toml").is_file() and (root / "scripts" / "demo").is_file():
         # A clone: an editable install into the clone's virtualenv.
         venv = Path(sys.prefix)

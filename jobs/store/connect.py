@@ -11,7 +11,7 @@ The password (and user) are the primary's; the sentinels get
 one. The client asks the sentinels for the primary at every new connection,
 so after a failover every process follows the new primary once its old
 connections fail (the callers wait out connection errors and READONLY replies
-from a demoted primary: jobs/execution.py).
+from a demoted primary: jobs/worker/execution.py).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import llama_cpp
 import numpy as np
 from llama_cpp import _internals, llama_chat_format
 
-from jobs.constraints import Constraint
+from jobs.engine.constraints import Constraint
 
 __all__ = [
     "Device",
@@ -270,7 +270,7 @@ def _load_model(
     params.vocab_only = vocab_only
     params.n_gpu_layers = 0 if vocab_only else n_gpu_layers
     # Extra buffer types repack weights for the CPU's fastest kernels (AMX, AVX-512
-    # repacks); on some machines those kernels crash: jobs/kernels.py decides.
+    # repacks); on some machines those kernels crash: jobs/engine/kernels.py decides.
     params.use_extra_bufts = extra_buffers
     return _internals.LlamaModel(path_model=path, params=params, verbose=False)
 
@@ -343,7 +343,7 @@ class Vocab:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
     def constraint(self, grammar: str) -> Constraint:
-        """A matcher of ``grammar`` (see jobs/constraints.py) over this vocabulary.
+        """A matcher of ``grammar`` (see jobs/engine/constraints.py) over this vocabulary.
         The grammar engine's view of the vocabulary is built at the first call
         (about 3 s for a 262k-token vocabulary) and kept."""
         with self._lock:

@@ -67,7 +67,7 @@ def grammar_for_json_object() -> str:
 def grammar_for_tool_calls(functions: dict[str, Any], several: bool) -> str:
     """An llguidance grammar for Hermes-style tool calls only
     (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, see
-    jobs/toolcalls.py): one call, or with ``several`` one or more separated by
+    jobs/engine/toolcalls.py): one call, or with ``several`` one or more separated by
     newlines, each naming one of ``functions`` (name -> JSON schema of its
     arguments) with arguments that follow that function's schema."""
     if not functions:

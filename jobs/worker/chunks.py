@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.sampling import TokenLogprob
+from jobs.engine.sampling import TokenLogprob
 
 __all__ = ["ChunkWriter"]
 

@@ -8,8 +8,8 @@ preempt flag; sequence 0 carries the process's name, the others
 sequence. The loop is: beat and reap, claim into free sequences, then one
 step: one engine call decodes a token of every decoding sequence the planner
 (``scheduler/batching.py``) picks, and prefill chunks run in calls of their
-own. Each claimed job runs as ``jobs/execution.py`` describes; its KV lives
-where ``jobs/sequences.py`` keeps it (in its sequence, parked in place, or in
+own. Each claimed job runs as ``jobs/worker/execution.py`` describes; its KV lives
+where ``jobs/worker/sequences.py`` keeps it (in its sequence, parked in place, or in
 the RAM checkpoint store), so a parked job resumes in this process without a
 copy of the prompt, or anywhere by replay.
 """
@@ -31,14 +31,11 @@ import numpy as np
 import redis
 from redis.backoff import ExponentialBackoff
 
-from jobs.batches import BatchStore
-from jobs.engine import Engine, EngineError
-from jobs.execution import NOTHING, TRANSIENT, WAIT, Executions, Running, Slot, StepWrite
-from jobs.identity import ModelIdentity
-from jobs.rqjobs import RQBridge
-from jobs.sequences import Sequences
-from jobs.stepclock import CLOCK
-from jobs.store import (
+from jobs.engine.llama import Engine, EngineError
+from jobs.store.batches import BatchStore
+from jobs.store.identity import ModelIdentity
+from jobs.store.rqjobs import RQBridge
+from jobs.store.scheduling import (
     Claim,
     Diverged,
     Fenced,
@@ -46,6 +43,9 @@ from jobs.store import (
     ReapOutcome,
     Store,
 )
+from jobs.worker.execution import NOTHING, TRANSIENT, WAIT, Executions, Running, Slot, StepWrite
+from jobs.worker.sequences import Sequences
+from jobs.worker.stepclock import CLOCK
 from scheduler.batching import SeqView, plan_step
 from scheduler.settings import Settings
 from scheduler.state import TERMINAL, JobState
@@ -520,7 +520,7 @@ class Worker(Executions):
                 elif state == JobState.RUNNING and job_id in self.kv.in_place:
                     self.kv.drop(job_id)  # resumed elsewhere: this copy is stale
                     log.info("job %s: resumed elsewhere; in-place checkpoint freed", job_id)
-        if self._running:  # the clock counts stepping time (see jobs/stepclock.py)
+        if self._running:  # the clock counts stepping time (see jobs/worker/stepclock.py)
             CLOCK.add("redis", time.perf_counter() - t0)
 
     def _reconcile(self) -> None:

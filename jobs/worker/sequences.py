@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jobs.checkpoints import Checkpoint, CheckpointStore, PrefixCache
-from jobs.engine import Engine
-from jobs.generation import GenerationRequest
+from jobs.engine.checkpoints import Checkpoint, CheckpointStore, PrefixCache
+from jobs.engine.llama import Engine
+from jobs.worker.generation import GenerationRequest
 
 __all__ = ["SHARED_PROMPTS", "InPlace", "Kept", "Sequences", "SharedPrompt"]
 

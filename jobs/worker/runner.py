@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from jobs.engine import Engine
-from jobs.generation import Generation
+from jobs.engine.llama import Engine
+from jobs.worker.generation import Generation
 
 __all__ = [
     "CANCEL",

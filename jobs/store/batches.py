@@ -21,8 +21,8 @@ from typing import Any
 
 import redis
 
-from jobs.store import Store
-from jobs.telemetry import as_text
+from jobs.store.scheduling import Store
+from jobs.store.telemetry import as_text
 from scheduler.policy import PRIORITY_LEVELS
 from scheduler.state import LIVE, JobState
 

@@ -53,7 +53,7 @@ class Telemetry:
         self.r.hincrby(self.keys.counters, counter, n)
 
     def add_step_seconds(self, spent: dict[str, float]) -> None:
-        """Add a worker's stepping seconds by part (jobs/stepclock.py)."""
+        """Add a worker's stepping seconds by part (jobs/worker/stepclock.py)."""
         with self.r.pipeline(transaction=False) as p:
             for part, seconds in spent.items():
                 if seconds:

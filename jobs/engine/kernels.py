@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from scheduler.settings import Settings, cache_root
 
 if TYPE_CHECKING:
-    from jobs.engine import LlamaEngine
+    from jobs.engine.llama import LlamaEngine
 
 __all__ = [
     "KernelChoice",
@@ -64,12 +64,12 @@ def probe_command(model: str, n_gpu_layers: int | None = None) -> list[str]:
     """The command that probes ``model`` with extra buffers on (a fresh
     interpreter), with the worker's layers on the GPU."""
     layers = "" if n_gpu_layers is None else str(n_gpu_layers)
-    return [sys.executable, "-m", "jobs.kernels", "probe", model, layers]
+    return [sys.executable, "-m", "jobs.engine.kernels", "probe", model, layers]
 
 
 def peer_server_command(extra_buffers: bool) -> list[str]:
     """``python -m llama_cpp.server`` with extra buffers forced on or off (append its args)."""
-    return [sys.executable, "-m", "jobs.kernels", "serve", "on" if extra_buffers else "off"]
+    return [sys.executable, "-m", "jobs.engine.kernels", "serve", "on" if extra_buffers else "off"]
 
 
 def _cpu_flags() -> str:
@@ -142,7 +142,7 @@ def choose_kernels(
         return KernelChoice(False, "PARKQ_EXTRA_BUFFERS=off")
     if mode != "auto":
         raise ValueError(f"extra buffers mode must be auto, on or off, not {mode!r}")
-    from jobs.engine import build_info, device_key
+    from jobs.engine.llama import build_info, device_key
 
     path = _cache_path(cache_dir, _cache_key(model, f"{build_info()}\n{device_key(n_gpu_layers)}"))
     try:
@@ -183,7 +183,7 @@ def invariant_batch_size(engine: LlamaEngine, limit: int, cache_dir: str | None)
 
     A verdict cut short by the probe's time budget is kept too (it says how far it
     got); a build that does not repeat a step raises :class:`NotRepeatable`."""
-    from jobs.engine import ProbeVerdict, build_info
+    from jobs.engine.llama import ProbeVerdict, build_info
 
     shape = (f"batch {limit} threads {engine.n_threads} ctx {engine.n_ctx} "
              f"seqs {engine.n_seq_max} n_batch {engine.n_batch} device {engine.device} "
@@ -211,7 +211,7 @@ def worker_kernels(settings: Settings) -> KernelChoice:
     without, and a lone sequence decodes as fast either way)."""
     choice = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir,
                             n_gpu_layers=settings.n_gpu_layers)  # fmt: skip
-    seqs = settings.max_seqs or 2  # unset: several (jobs/capacity.py)
+    seqs = settings.max_seqs or 2  # unset: several (jobs/engine/capacity.py)
     if choice.extra_buffers and seqs > 1 and settings.extra_buffers == "auto" and settings.exact:
         return KernelChoice(
             False,
@@ -225,7 +225,7 @@ def _run_probe(model: str, n_gpu_layers: int | None) -> None:
     """The child: load with extra buffers on, prefill a few tokens, decode a few."""
     import numpy as np
 
-    from jobs.engine import LlamaEngine
+    from jobs.engine.llama import LlamaEngine
 
     engine = LlamaEngine(model, n_ctx=256, n_batch=64, n_threads=None, extra_buffers=True,
                          n_gpu_layers=n_gpu_layers)  # fmt: skip
@@ -244,7 +244,7 @@ def _serve(extra_buffers: bool, argv: list[str]) -> None:
     """llama-cpp-python's server with the given kernel path (the bench's peer)."""
     import runpy
 
-    from jobs.engine import set_llama_extra_buffers
+    from jobs.engine.llama import set_llama_extra_buffers
 
     set_llama_extra_buffers(extra_buffers)
     sys.argv = ["llama_cpp.server", *argv]
@@ -258,4 +258,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "serve":
         _serve(sys.argv[2] == "on", sys.argv[3:])
     else:
-        raise SystemExit("usage: python -m jobs.kernels probe MODEL | serve on|off ARGS...")
+        raise SystemExit("usage: python -m jobs.engine.kernels probe MODEL | serve on|off ARGS...")

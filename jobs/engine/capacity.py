@@ -11,7 +11,7 @@ of KV: per position, every layer's K and V rows (f16), read from the model's
 metadata (sliding-window layers are counted in full: an upper bound).
 
 Whether batching pays on this machine is measured when the worker starts (the
-decode time of each batch size, jobs/engine.py ``plan_batching``) and logged;
+decode time of each batch size, jobs/engine/llama.py ``plan_batching``) and logged;
 the choice stands even where it does not raise throughput, because eight
 people then all start within a step instead of queueing behind each other.
 """
@@ -167,7 +167,7 @@ def _mib(n: float) -> str:
 def sequence_plan(settings: Settings, workers: int = 1) -> SequencePlan:
     """:func:`plan_sequences` for ``settings``' model on this machine (the model's
     metadata is read without loading its weights)."""
-    from jobs.engine import Vocab, devices, gpu_layers
+    from jobs.engine.llama import Vocab, devices, gpu_layers
 
     if settings.max_seqs is not None and settings.parked_seqs is not None:
         return plan_sequences(settings.max_seqs, settings.parked_seqs, on_gpu=False, n_ctx=0,
@@ -203,7 +203,7 @@ def sequence_plan_elsewhere(settings: Settings, workers: int = 1) -> SequencePla
 
     given = {"settings": settings.model_dump(mode="json"), "workers": workers}
     run = subprocess.run(
-        [sys.executable, "-m", "jobs.capacity"],
+        [sys.executable, "-m", "jobs.engine.capacity"],
         input=json.dumps(given),
         capture_output=True,
         text=True,

@@ -28,7 +28,7 @@ from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry, FailedJobRegistry, FinishedJobRegistry
 from rq.serializers import JSONSerializer
 
-__all__ = ["GENERATE", "RQBridge", "generate"]
+__all__ = ["GENERATE", "PARKQ_FUNCTIONS", "RQBridge", "generate"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,9 @@ def generate(job_id: str) -> None:
 
 
 GENERATE = f"{generate.__module__}.{generate.__qualname__}"
+#: What the records of jobs queued before ``jobs/`` had rooms name (a Redis
+#: kept across an upgrade still holds them): parkq's function all the same.
+PARKQ_FUNCTIONS = frozenset({GENERATE, "jobs.rqjobs.generate"})
 
 F = TypeVar("F", bound=Callable[..., None])
 
@@ -168,7 +171,7 @@ class RQBridge:
         a Redis error is raised, so that the caller retries rather than refuses.
         """
         job = self.fetch(job_id)
-        return job is None or job.func_name == GENERATE
+        return job is None or job.func_name in PARKQ_FUNCTIONS
 
     @_view_write
     def started(self, job_id: str, ttl: int) -> None:

@@ -1,8 +1,8 @@
 """One claimed job on a worker: claim -> plan -> drive -> apply.
 
-:class:`Executions` (the part of :class:`jobs.worker.Worker` that runs a job)
+:class:`Executions` (the part of :class:`jobs.worker.loop.Worker` that runs a job)
 reads the claimed job (a :class:`Job`), plans where its KV comes from (a
-:class:`jobs.runner.Start`), drives its generation (each step's events
+:class:`jobs.worker.runner.Start`), drives its generation (each step's events
 gathered into writes by a :class:`StepWriter`, the flags read back steering
 it) and applies the outcome: finished, cancelled or parked. The worker
 (``worker.py``) owns the loop, the sequences' steps and liveness.
@@ -24,23 +24,10 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from jobs.engine import Engine, EngineError
-from jobs.events import DONE, error_event
-from jobs.generation import Generation, GenerationRequest
-from jobs.rqjobs import RQBridge
-from jobs.runner import (
-    CANCEL,
-    PREEMPT,
-    Deferred,
-    Eval,
-    Outcome,
-    Source,
-    Start,
-    Yielded,
-    generate,
-)
-from jobs.sequences import Sequences
-from jobs.store import (
+from jobs.engine.llama import Engine, EngineError
+from jobs.store.events import DONE, error_event
+from jobs.store.rqjobs import RQBridge
+from jobs.store.scheduling import (
     CANCEL_EVENTS,
     Claim,
     Diverged,
@@ -51,7 +38,20 @@ from jobs.store import (
     Store,
     TransitionRefused,
 )
-from jobs.telemetry import Telemetry, bucket_of
+from jobs.store.telemetry import Telemetry, bucket_of
+from jobs.worker.generation import Generation, GenerationRequest
+from jobs.worker.runner import (
+    CANCEL,
+    PREEMPT,
+    Deferred,
+    Eval,
+    Outcome,
+    Source,
+    Start,
+    Yielded,
+    generate,
+)
+from jobs.worker.sequences import Sequences
 from scheduler.policy import PRIORITY_LEVELS, priority_label
 from scheduler.settings import Settings
 from scheduler.state import JobState
@@ -238,7 +238,7 @@ class StepWriter:
 
 
 class Executions:
-    """The part of a worker that runs one claimed job. A :class:`jobs.worker.Worker`
+    """The part of a worker that runs one claimed job. A :class:`jobs.worker.loop.Worker`
     is one; these are the parts of it a job's execution uses."""
 
     settings: Settings

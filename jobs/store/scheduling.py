@@ -18,10 +18,10 @@ from typing import Any
 
 import redis
 
-from jobs.events import DONE, error_event
-from jobs.identity import ModelIdentity
-from jobs.registry import WorkerRegistry
-from jobs.telemetry import Telemetry, as_text, bucket_of, lua_script
+from jobs.store.events import DONE, error_event
+from jobs.store.identity import ModelIdentity
+from jobs.store.registry import WorkerRegistry
+from jobs.store.telemetry import Telemetry, as_text, bucket_of, lua_script
 from scheduler.keys import Keys
 from scheduler.policy import Policy
 from scheduler.preempt import PreemptPolicy, Runner, choose_victim
