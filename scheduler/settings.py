@@ -113,8 +113,9 @@ class Settings(BaseSettings):
         ge=1,
         le=64,
         description="Sequences one worker generates at once (continuous batching): each "
-        "step decodes one token of every running sequence in one engine call. Each "
-        "sequence has its own n_ctx positions of KV memory. Unset: 8 on a CPU, 16 on a "
+        "step decodes one token of each stepping sequence, in as few engine calls as the "
+        "batch widths proven exact here allow. Each sequence has its own n_ctx positions "
+        "of KV memory. Unset: 8 on a CPU, 16 on a "
         "GPU, fewer if their KV would take more than half the free memory (`parkq up` and "
         "the worker say what they chose and why); 1 generates one job at a time.",
     )
@@ -198,7 +199,9 @@ class Settings(BaseSettings):
         512,
         ge=1,
         description="Most open SSE streams and waiting non-streamed requests the web serves "
-        "at once; past it a new one gets 503 with Retry-After (before any job is queued).",
+        "at once; past it a new one gets 503 server_busy with Retry-After (before any job is "
+        "queued). A reconnect is refused the same way, and an interactive job with no reader "
+        "for PARKQ_DISCONNECT_GRACE_SECONDS is abandoned: size it so reconnects find room.",
     )
     web_threads: int | None = Field(
         None,

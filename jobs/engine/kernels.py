@@ -5,9 +5,10 @@ kernels (AMX on recent Xeons, AVX-512/AVX2 repacks for Q4_0 and friends). On
 some machines those kernels crash the process on the first decode (a known,
 machine-dependent llama.cpp bug on virtualized Sapphire/Granite Rapids). A
 crash cannot be caught in-process, so in ``auto`` mode a *child process* (a
-fresh interpreter, never a fork: see DESIGN.md) loads the model with extra
-buffers on and decodes a few tokens; if the child dies by a signal (or fails,
-or hangs), the worker runs with extra buffers off, which is always safe.
+fresh interpreter, never a fork: docs/design.md, "What llama.cpp does here")
+loads the model with extra buffers on and decodes a few tokens; if the child
+dies by a signal (or fails, or hangs), the worker runs with extra buffers off,
+which is always safe.
 
 The verdict is cached per (llama.cpp build and CPU features, CPU flags, model
 file), so the probe runs once per machine and model.

@@ -448,7 +448,7 @@ class LlamaEngine(Vocab):
     The context holds ``n_seq_max`` sequences of ``n_ctx`` positions each, in
     KV buffers of their own (``kv_unified`` off): a sequence's cells never move
     because of another one, and :meth:`decode` of one token for each of several
-    sequences gives each the logits it would get alone (see DESIGN.md; the
+    sequences gives each the logits it would get alone (docs/design.md, "Exactness"; the
     tests check it on every kernel path parkq uses).
     """
 
@@ -824,7 +824,8 @@ class LlamaEngine(Vocab):
         return out
 
     def save_seq(self, seq: int = 0) -> memoryview:
-        """The KV state of one sequence (not the logits: see DESIGN.md)."""
+        """The KV state of one sequence, not the logits (docs/design.md, "What
+        llama.cpp does here")."""
         size = llama_cpp.llama_state_seq_get_size(self.ctx.ctx, seq)
         # Uninitialised memory that llama.cpp writes straight into: one copy, no zero-fill.
         out = np.empty(size, dtype=np.uint8)

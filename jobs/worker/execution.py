@@ -5,7 +5,7 @@ reads the claimed job (a :class:`Job`), plans where its KV comes from (a
 :class:`jobs.worker.runner.Start`), drives its generation (each step's events
 gathered into writes by a :class:`StepWriter`, the flags read back steering
 it) and applies the outcome: finished, cancelled or parked. The worker
-(``worker.py``) owns the loop, the sequences' steps and liveness.
+(``loop.py``) owns the loop, the sequences' steps and liveness.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ Starts `parkq up` (embedded Redis, web, one worker; prefix cache off, so only
 the sharing between choices can spare a prefill) with one and with ``--n``
 sequences. Times ``--n`` single requests one after another, then one request
 with ``n`` choices, and reads how many prompt tokens the choices took from a
-sibling (``parkq_prompt_tokens_shared_total``).
+sibling (``parkq_prompt_tokens_shared_total``). Greedy, and with what the
+openai client sends when told nothing (no temperature: 1, top_p 1).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import requests
 
 from scheduler.settings import load_settings
-from tools.bench import command_line, model_and_chat_format, write_results
+from tools.bench import SAMPLING, command_line, model_and_chat_format, write_results
 from tools.client import read_counter
 from tools.launcher import Stack
 
@@ -44,6 +45,7 @@ def choices(
         together, answer = _timed(url, {**body, "seed": 10, "n": n})
         shared = read_counter(stack.base_url, {}, "parkq_prompt_tokens_shared_total") - before
     return {
+        "sampling": "greedy" if body.get("temperature") == 0 else "default",
         "sequences": seqs,
         "prompt_tokens": answer["usage"]["prompt_tokens"],
         "singles_s": round(singles, 2),
@@ -62,12 +64,17 @@ def main() -> None:
     prompt = " ".join(
         f"Line {i}: the park opens at dawn and closes at dusk." for i in range(args.lines)
     )
-    body = {"prompt": prompt, "max_tokens": args.tokens, "temperature": 0.8, "ignore_eos": True}
-    runs = [choices(model, chat_format, args.n, seqs, body) for seqs in (1, args.n)]
+    body = {"prompt": prompt, "max_tokens": args.tokens, "ignore_eos": True}
+    runs = [
+        choices(model, chat_format, args.n, seqs, {**body, **arm["parkq"]})
+        for arm in SAMPLING.values()
+        for seqs in (1, args.n)
+    ]
     print(f"model {Path(model).name}, n={args.n}, {args.tokens} tokens a choice")
     for r in runs:
         print(
-            f"  {r['sequences']} sequence(s): {args.n} single requests {r['singles_s']} s, "
+            f"  {r['sampling']}, {r['sequences']} sequence(s): "
+            f"{args.n} single requests {r['singles_s']} s, "
             f"n={args.n} {r['choices_s']} s; {r['prompt_tokens_shared']} of "
             f"{(args.n - 1) * r['prompt_tokens']} sibling prompt tokens shared"
         )

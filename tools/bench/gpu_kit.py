@@ -55,8 +55,9 @@ _DROP_DIRS = {
 }  # fmt: skip
 #: ggml backends a CUDA or CPU build never compiles.
 _KEEP_BACKENDS = {"ggml-cpu", "ggml-cuda", "ggml-blas", "ggml-rpc"}
-#: Under tools/: what a server build configures (each tool's CMakeLists is kept so
-#: tools/CMakeLists.txt still configures; the web UI's assets are left out).
+#: Under llama.cpp's tools folder: what a server build configures (each tool's
+#: CMakeLists is kept so that the folder's own still configures; the web UI's
+#: assets are left out).
 _DROP_UNDER_TOOLS = ("tools/ui/", "tools/server/tests/", "tools/server/bench/",
                      "tools/server/public")  # fmt: skip
 
