@@ -38,10 +38,13 @@ def generate(job_id: str) -> None:
     raise RuntimeError("parkq jobs run only in a parkq worker (`parkq worker`)")
 
 
-GENERATE = f"{generate.__module__}.{generate.__qualname__}"
-#: What the records of jobs queued before ``jobs/`` had rooms name (a Redis
-#: kept across an upgrade still holds them): parkq's function all the same.
-PARKQ_FUNCTIONS = frozenset({GENERATE, "jobs.rqjobs.generate"})
+#: The function every parkq RQ record names. A stored name, not the module's
+#: path: it stays the name of where ``generate`` first lived, so workers of the
+#: previous version take the jobs this one queues in a rolling upgrade, and
+#: the reverse.
+GENERATE = "jobs.rqjobs.generate"
+#: Names that are parkq's function: the stored one, and where it lives now.
+PARKQ_FUNCTIONS = frozenset({GENERATE, f"{generate.__module__}.{generate.__qualname__}"})
 
 F = TypeVar("F", bound=Callable[..., None])
 

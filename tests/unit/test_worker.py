@@ -239,7 +239,8 @@ def test_a_job_whose_rq_function_is_not_parkqs_is_refused(
     _submit(store, rq, "good", b"fine")
     data = fake_redis.hget("rq:job:good", "data")
     assert data is not None  # zlib-compressed JSON (RQ's format), never a pickle
-    assert json.loads(zlib.decompress(data))[0] == "jobs.store.rqjobs.generate"
+    # The name every parkq version has stored, whatever the module's path.
+    assert json.loads(zlib.decompress(data))[0] == "jobs.rqjobs.generate"
     worker = Worker(settings, FakeEngine(), fake_redis, name="w1")
     with _running(worker):
         rogue_rec = _wait_state(store, "rogue", {"failed", "finished"})
@@ -249,24 +250,24 @@ def test_a_job_whose_rq_function_is_not_parkqs_is_refused(
     assert good["state"] == "finished"
 
 
-def test_a_job_queued_before_jobs_had_rooms_still_runs(
+def test_a_record_naming_parkqs_function_by_its_module_path_still_runs(
     fake_redis: fakeredis.FakeRedis, settings: Settings
 ) -> None:
-    """A Redis kept across an upgrade holds RQ records naming parkq's function by
-    its old module path; such a job runs, it is not refused as a rogue one."""
+    """parkq's function is known by its stored name and by where it lives now
+    (jobs.store.rqjobs): a record naming either runs, neither is a rogue one."""
     from rq.job import Job
     from rq.serializers import JSONSerializer
 
     store = Store(fake_redis, settings)
-    req = GenerationRequest("completion", "fake", list(b"old"), 5, SamplingParams(temperature=0))
+    req = GenerationRequest("completion", "fake", list(b"new"), 5, SamplingParams(temperature=0))
     Job.create(
-        "jobs.rqjobs.generate", args=("queued-before",), id="queued-before",
+        "jobs.store.rqjobs.generate", args=("by-path",), id="by-path",
         connection=fake_redis, serializer=JSONSerializer,
     ).save()  # fmt: skip
-    store.enqueue("queued-before", "completion", req.to_json(), 10, time.time())
+    store.enqueue("by-path", "completion", req.to_json(), 10, time.time())
     worker = Worker(settings, FakeEngine(), fake_redis, name="w1")
     with _running(worker):
-        rec = _wait_state(store, "queued-before", {"failed", "finished"})
+        rec = _wait_state(store, "by-path", {"failed", "finished"})
     assert rec["state"] == "finished" and rec["tokens"] == "5"
 
 
