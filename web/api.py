@@ -11,10 +11,10 @@ from typing import Any
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from jobs.engine.prompts import chat_ids
+from jobs.engine.request import GenerationRequest
 from jobs.store.batches import BatchStore
 from jobs.store.identity import ModelIdentity
 from jobs.store.scheduling import Cancelled, Ending, JobEnded, QueueFull
-from jobs.worker.generation import GenerationRequest
 from scheduler.state import TERMINAL, JobState
 from web.errors import (
     BadRequest,

@@ -19,10 +19,10 @@ from typing import Annotated, Any, Literal, TypeVar
 from flask import Blueprint, current_app, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field
 
+from jobs.engine.request import GenerationRequest
 from jobs.store.batches import BatchStore, Item, new_id
 from jobs.store.events import DONE
 from jobs.store.scheduling import Cancelled
-from jobs.worker.generation import GenerationRequest
 from scheduler.state import JobState
 from web.errors import APIError, BadRequest, Conflict, NotFound
 from web.files import batch_store, file_meta

@@ -17,8 +17,8 @@ from jobs.engine.constraints import (
     grammar_for_tool_calls,
 )
 from jobs.engine.prompts import chat_ids
+from jobs.engine.request import GenerationRequest
 from jobs.engine.sampling import SamplingParams
-from jobs.worker.generation import GenerationRequest
 from scheduler.policy import priority_level
 from web.errors import BadRequest, ContextLengthExceeded, ModelMismatch
 from web.runtime import Runtime, current

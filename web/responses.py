@@ -10,9 +10,9 @@ from typing import Any
 
 from flask import Response, request, stream_with_context
 
+from jobs.engine.request import GenerationRequest
 from jobs.store.events import DONE
 from jobs.store.scheduling import Store
-from jobs.worker.generation import GenerationRequest
 from web import sse
 from web.errors import APIError, Conflict
 from web.runtime import current

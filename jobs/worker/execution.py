@@ -25,6 +25,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from jobs.engine.llama import Engine, EngineError
+from jobs.engine.request import GenerationRequest
 from jobs.store.events import DONE, error_event
 from jobs.store.rqjobs import RQBridge
 from jobs.store.scheduling import (
@@ -39,7 +40,7 @@ from jobs.store.scheduling import (
     TransitionRefused,
 )
 from jobs.store.telemetry import Telemetry, bucket_of
-from jobs.worker.generation import Generation, GenerationRequest
+from jobs.worker.generation import Generation
 from jobs.worker.runner import (
     CANCEL,
     PREEMPT,

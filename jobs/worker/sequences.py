@@ -18,7 +18,7 @@ import numpy as np
 
 from jobs.engine.checkpoints import Checkpoint, CheckpointStore, PrefixCache
 from jobs.engine.llama import Engine
-from jobs.worker.generation import GenerationRequest
+from jobs.engine.request import GenerationRequest
 
 __all__ = ["SHARED_PROMPTS", "InPlace", "Kept", "Sequences", "SharedPrompt"]
 

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from jobs.engine.request import GenerationRequest
 from jobs.engine.sampling import SamplingParams
-from jobs.worker.generation import Generation, GenerationRequest
+from jobs.worker.generation import Generation
 from jobs.worker.runner import PREEMPT, Start, drive
 from tests.fakes import FakeEngine
 

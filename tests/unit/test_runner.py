@@ -1,8 +1,9 @@
 import json
 
+from jobs.engine.request import GenerationRequest
 from jobs.engine.sampling import SamplingParams
 from jobs.store.events import DONE
-from jobs.worker.generation import Generation, GenerationRequest
+from jobs.worker.generation import Generation
 from jobs.worker.runner import CANCEL, drive
 from tests.fakes import EOS, FakeEngine
 

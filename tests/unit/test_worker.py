@@ -15,10 +15,10 @@ import numpy as np
 import redis
 
 from jobs.engine.llama import EngineError
+from jobs.engine.request import GenerationRequest
 from jobs.engine.sampling import SamplingParams
 from jobs.store.rqjobs import RQBridge
 from jobs.store.scheduling import StepCall, Store
-from jobs.worker.generation import GenerationRequest
 from jobs.worker.loop import Worker
 from scheduler.settings import Settings
 from tests.fakes import FakeEngine

@@ -25,9 +25,10 @@ import redis
 import requests
 
 from jobs.engine.llama import LlamaEngine
+from jobs.engine.request import GenerationRequest
 from jobs.engine.sampling import SamplingParams
 from jobs.store.scheduling import Store
-from jobs.worker.generation import Generation, GenerationRequest
+from jobs.worker.generation import Generation
 from scheduler.settings import load_settings
 from tools.bench import SAMPLING, command_line, model_and_chat_format, write_results
 from tools.bench.workload import Request, stream
