@@ -6,7 +6,7 @@
 - ``jobs.store``: everything that touches Redis (the job store and its Lua
   scripts' typed results, the worker registry, telemetry, model identity, the
   RQ view, files and batches, event payloads, connections). A Redis race is
-  fixed here.
+  fixed here or in the Lua scripts it runs (``scheduler/lua``).
 - ``jobs.worker``: the worker process, which joins the two (its loop, one job's
   execution, the generation coroutine, where the KV lives, OpenAI chunks).
 

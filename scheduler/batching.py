@@ -7,8 +7,8 @@ worker measures and passes in (how long a decode call of ``n`` sequences
 takes, how long a prefill chunk takes); it guesses nothing.
 
 Invariants (property-tested):
-- every decoding sequence at or above the interactive level decodes at every
-  step: its pace is the engine's;
+- every interactive decoding sequence (a job above the batch level) decodes at
+  every step: its pace is the engine's;
 - without interactive sequences decoding, every decoding sequence decodes;
 - with them, a batch sequence joins the step only if the measured step time
   with it stays within the interactive ones' step time alone plus a slack of

@@ -17,8 +17,17 @@ find_python() {
 
 ensure_venv() {
   local extras=$1
-  if [ ! -x .venv/bin/python ]; then
-    "$(find_python)" -m venv .venv
+  # A .venv without pip is what a failed `python -m venv` leaves: make it again.
+  if [ ! -x .venv/bin/python ] || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+    local py
+    py=$(find_python)
+    rm -rf .venv
+    if ! "$py" -m venv .venv; then
+      rm -rf .venv
+      echo "parkq: $py cannot make a virtualenv; install its venv module" \
+        "(Debian, Ubuntu: sudo apt-get install python3-venv)" >&2
+      exit 1
+    fi
     .venv/bin/python -m pip install --quiet --upgrade pip
   fi
   # The first install compiles llama.cpp (llama-cpp-python ships as source): minutes.

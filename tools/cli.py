@@ -172,7 +172,8 @@ def web(host: str | None, port: int | None, redis_url: str | None, model: str | 
 @click.option("--name", help="Worker name (default host.pid).")
 @_preempt_opt
 def worker(redis_url: str | None, model: str | None, name: str | None, no_preempt: bool) -> None:
-    """Run one worker: loads the model once and serves jobs one at a time."""
+    """Run one worker: loads the model once and generates several jobs at once
+    (PARKQ_MAX_SEQS sequences), parking one for a better job when all are busy."""
     from tools.worker_process import run_worker
 
     settings = resolve_model(
@@ -361,7 +362,15 @@ def batch(paths: tuple[Path, ...], prompt: str | None, task: str | None, out: Pa
     are combined into one per document. Results already in --out are kept and
     their documents skipped. Exits 1 and lists the failures if any document failed.
     """
-    from tools.documents import SUMMARIZE, Client, DocumentError, Task, collect, run_batch
+    from tools.documents import (
+        SUFFIXES,
+        SUMMARIZE,
+        Client,
+        DocumentError,
+        Task,
+        collect,
+        run_batch,
+    )
 
     if prompt and task:
         raise click.UsageError("give --prompt or --task, not both")
@@ -387,7 +396,7 @@ def batch(paths: tuple[Path, ...], prompt: str | None, task: str | None, out: Pa
     except DocumentError as exc:
         raise click.ClickException(str(exc)) from None
     if not docs:
-        raise click.ClickException("no .txt or .md documents found")
+        raise click.ClickException(f"no documents found (looked for {', '.join(SUFFIXES)})")
 
     def go(base_url: str, key: str | None) -> Any:
         return run_batch(
