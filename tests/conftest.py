@@ -30,12 +30,26 @@ def _redis_binary() -> str:
     return shutil.which("redis-server") or embedded_redis_server()
 
 
+#: Ports this test session handed out: never handed out twice.
+_HANDED_OUT: set[int] = set()
+
+
+def fresh_port() -> int:
+    """A free loopback port no other server of this session was given. Ports are
+    picked before their servers bind them, so two picks in a row (a primary, then
+    its sentinels) could otherwise get the same one from the kernel."""
+    while (port := free_port()) in _HANDED_OUT:
+        pass
+    _HANDED_OUT.add(port)
+    return port
+
+
 class RedisServer:
     """A real redis-server on a free loopback port, in its own directory."""
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.port = free_port()
+        self.port = fresh_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

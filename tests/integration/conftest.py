@@ -17,7 +17,7 @@ import redis
 import requests
 
 from jobs.engine.testmodel import write_test_model
-from tools.launcher import free_port
+from tests.conftest import fresh_port
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -64,7 +64,7 @@ def start_parkq(
 ) -> tuple[subprocess.Popen[str], str]:
     """`parkq up`; the lines it printed before it was up go to ``said``, its
     standard error to the file ``errors``."""
-    port = free_port()
+    port = fresh_port()
     argv = [sys.executable, "-m", "tools.cli", "up", "--model", str(model), "--port", str(port)]
     if redis_url:
         argv += ["--redis-url", redis_url]

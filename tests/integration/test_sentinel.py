@@ -20,7 +20,7 @@ import pytest
 import redis
 import requests
 
-from tests.conftest import RedisServer, _redis_binary
+from tests.conftest import RedisServer, _redis_binary, fresh_port
 from tests.integration.helpers import (
     completion_text,
     job,
@@ -31,7 +31,6 @@ from tests.integration.helpers import (
     web_answers,
 )
 from tests.integration.test_workers import Cluster, running_cluster
-from tools.launcher import free_port
 
 SERVICE = "mymaster"
 #: Each decode step at least 3 ms: the jobs run for seconds, across the failover.
@@ -50,7 +49,7 @@ class Sentinels:
         self.primary = RedisServer(root / "primary")
         self.replica = RedisServer(root / "replica")
         self.root = root
-        self.ports = [free_port() for _ in range(3)]
+        self.ports = [fresh_port() for _ in range(3)]
         self.procs: list[subprocess.Popen[bytes]] = []
 
     @property
@@ -107,9 +106,11 @@ class Sentinels:
 @pytest.fixture
 def sentinels(tmp_path: Path) -> Iterator[Sentinels]:
     s = Sentinels(tmp_path / "redis")
-    s.start()
-    yield s
-    s.stop()
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()  # whatever started, also when the start failed
 
 
 @pytest.fixture

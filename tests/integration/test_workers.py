@@ -15,6 +15,7 @@ import pytest
 import redis
 import requests
 
+from tests.conftest import fresh_port
 from tests.integration.conftest import TEST_ENV
 from tests.integration.helpers import (
     completion_text,
@@ -24,7 +25,6 @@ from tests.integration.helpers import (
     submit_stream,
     wait_until,
 )
-from tools.launcher import free_port
 
 CLI = [sys.executable, "-m", "tools.cli"]
 
@@ -44,7 +44,7 @@ class Cluster:
             "PARKQ_N_THREADS": "1",  # two CPU workers share two cores
         }
         self.root = root
-        self.port = free_port()
+        self.port = fresh_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
