@@ -47,8 +47,9 @@ def _figures(seconds: list[float]) -> dict[str, float]:
 
 def measure(n: int) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="parkq-durable-")
-    primary_port, replica_port = free_port(), free_port()
+    primary_port = free_port()
     procs = [redis_server(work, primary_port)]
+    replica_port = free_port()  # picked once the primary holds its own
     procs.append(redis_server(work, replica_port, "--replicaof", "127.0.0.1", str(primary_port)))
     try:
         replica = redis.Redis(port=replica_port)
