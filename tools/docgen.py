@@ -35,7 +35,8 @@ def _sections() -> dict[str, str]:
 
 
 def _size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    """``n`` bytes as whole GiB or MiB, else nothing."""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
         if n >= 1 << shift and n % (1 << shift) == 0:
             return f"{n >> shift} {unit}"
     return ""
@@ -48,7 +49,7 @@ def _default(field: FieldInfo) -> str:
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     text = f"`{value}`"
-    if isinstance(value, int) and (size := _size(value)) and value >= 1 << 20:
+    if isinstance(value, int) and (size := _size(value)):
         text += f" ({size})"
     return text
 

@@ -65,9 +65,8 @@ def _missing_module(dotted: str) -> bool:
     parts = dotted.split(".")
     for i in range(len(parts), 0, -1):
         here = ROOT.joinpath(*parts[:i])
-        source = (
-            here.with_suffix(".py") if here.with_suffix(".py").is_file() else here / "__init__.py"
-        )
+        module, package = here.with_suffix(".py"), here / "__init__.py"
+        source = module if module.is_file() else package
         if source.is_file():
             return i < len(parts) and parts[i] not in _top_level_names(source)
     return True
