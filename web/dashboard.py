@@ -93,10 +93,11 @@ def login() -> Any:
     r, counter = runtime.store.r, runtime.settings.keys.login_failures(request.remote_addr or "-")
     # Every attempt takes its place first (parallel guesses cannot all pass a
     # read-then-write check); a right key gives its place back.
+    # (SET NX EX, then INCR, which keeps the TTL: Redis 6.2 has no EXPIRE NX.)
     with r.pipeline() as p:
+        p.set(counter, 0, ex=LOGIN_WINDOW_SECONDS, nx=True)
         p.incr(counter)
-        p.expire(counter, LOGIN_WINDOW_SECONDS, nx=True)
-        attempts = int(p.execute()[0])
+        attempts = int(p.execute()[1])
     if attempts > LOGIN_ATTEMPTS:
         wait = max(1, int(r.ttl(counter)))
         raise TooManyRequests(

