@@ -4,6 +4,10 @@ With API keys set, the browser signs in once with a key (a form POST); the
 server answers with an HttpOnly, SameSite=Strict session cookie, so the key
 never appears in a URL. Requests authenticated by that cookie must also carry
 the header `X-Parkq-Dashboard` (a cross-site form cannot set it).
+
+The sign-in itself needs no cookie, so SameSite cannot guard it: another site's
+page could post its own key and sign a visitor in to its tenant (login CSRF).
+A sign-in a browser sends from another site is refused (:func:`cross_site`).
 """
 
 from __future__ import annotations
@@ -12,13 +16,14 @@ import hashlib
 import hmac
 import re
 import time
-from typing import Any
+from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from flask import Blueprint, Response, current_app, jsonify, redirect, request
 
 from scheduler.policy import priority_label
 from scheduler.settings import ApiKey
-from web.errors import TooManyRequests
+from web.errors import APIError, TooManyRequests
 from web.runtime import current
 from web.tenants import caller, sees
 
@@ -28,7 +33,9 @@ __all__ = [
     "LOGIN_ATTEMPTS",
     "LOGIN_WINDOW_SECONDS",
     "SESSION_SECONDS",
+    "CrossSiteSignIn",
     "bp",
+    "cross_site",
     "session_key",
     "session_token",
 ]
@@ -49,6 +56,66 @@ LOGIN_WINDOW_SECONDS = 60
 #: A cookie's expiry: ASCII digits only (``str.isdigit`` also takes ``²``,
 #: which ``int`` then refuses).
 _EXPIRY = re.compile(r"[0-9]{1,15}")
+
+
+class CrossSiteSignIn(APIError):
+    status = 403
+    type = "invalid_request_error"
+    code = "cross_site_sign_in"
+
+
+class _Headers(Protocol):
+    def get(self, key: str) -> str | None: ...
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _site(url: str) -> str | None:
+    """``host:port`` of an absolute http(s) URL (the default port spelled out);
+    None for anything else (``null``, another scheme, no host)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or _DEFAULT_PORTS.get(parts.scheme)
+    except ValueError:
+        return None
+    if parts.scheme not in _DEFAULT_PORTS or not parts.hostname or port is None:
+        return None
+    return f"{parts.hostname}:{port}"
+
+
+def cross_site(headers: _Headers, scheme: str, hosts: list[str]) -> bool:
+    """Whether a browser sent this request from another site's page.
+
+    Fetch Metadata first: ``Sec-Fetch-Site`` is set by the browser alone (a page
+    cannot forge it) and, unlike Origin, needs no idea of this server's own
+    name, which a proxy may have rewritten. Browsers without it (Safari before
+    16.4) send ``Origin`` on every POST, or at least ``Referer``: its host must
+    be one of ``hosts`` (the Host header, and the trusted proxy's
+    X-Forwarded-Host), on ``scheme``'s default port unless it names one. A
+    request with none of the three is no browser's cross-site form (curl, a
+    script): it passes.
+    """
+    fetch_site = headers.get("Sec-Fetch-Site")
+    if fetch_site is not None:
+        return fetch_site.strip().lower() not in ("same-origin", "none")
+    source = headers.get("Origin") or headers.get("Referer")
+    if source is None:
+        return False
+    own = {_site(f"{scheme}://{host.strip()}") for host in hosts if host.strip()}
+    site = _site(source.strip())
+    return site is None or site not in own
+
+
+def _own_hosts() -> list[str]:
+    """The names this server is reached by: Host, and the X-Forwarded-Host that
+    the outermost trusted proxy wrote (PARKQ_TRUSTED_PROXIES)."""
+    hosts = [request.host]
+    trusted = current().settings.trusted_proxies
+    forwarded = [h for h in request.headers.get("X-Forwarded-Host", "").split(",") if h.strip()]
+    if trusted and len(forwarded) >= trusted:
+        hosts.append(forwarded[-trusted])
+    return hosts
 
 
 def _keyring(keys: tuple[ApiKey, ...]) -> bytes:
@@ -88,7 +155,13 @@ def login() -> Any:
     """Sign in with a key. A client address gets LOGIN_ATTEMPTS wrong keys a
     minute; then 429 with Retry-After. The cookie is ``Secure`` when the page
     came over HTTPS (or through a trusted proxy that says so:
-    PARKQ_TRUSTED_PROXIES)."""
+    PARKQ_TRUSTED_PROXIES). A browser's sign-in from another site's page gets
+    403 (:func:`cross_site`), before it counts as an attempt."""
+    if cross_site(request.headers, request.scheme, _own_hosts()):
+        raise CrossSiteSignIn(
+            "A sign-in from another site's page is refused: sign in from this server's "
+            "dashboard page."
+        )
     runtime = current()
     r, counter = runtime.store.r, runtime.settings.keys.login_failures(request.remote_addr or "-")
     # Every attempt takes its place first (parallel guesses cannot all pass a

@@ -90,3 +90,44 @@ def test_dashboard_chat_and_a_long_job_parked_and_resumed(
         status = requests.get(f"{base}/v1/jobs/{long_id}", headers=auth, timeout=10).json()
         assert status["state"] == "finished" and status["preemptions"] >= 1
         assert (tmp_path / "dashboard-parked.png").stat().st_size > 10_000
+
+
+#: Another site's page that posts its owner's key to the dashboard's sign-in.
+ATTACKER = """<!doctype html><body>
+<form id="f" method="post" action="{base}/dashboard/login">
+<input name="key" value="{key}"></form>
+<script>document.getElementById("f").submit();</script></body>"""
+
+
+@pytest.mark.timeout(120)
+def test_another_sites_page_cannot_sign_the_browser_in(
+    redis_server: Any, tiny_model: Path, tmp_path: Path
+) -> None:
+    """Login CSRF in a real browser: a page on another site posting a valid key gets
+    403 and no cookie; the dashboard's own form then signs in."""
+    from playwright.sync_api import sync_playwright
+
+    with running_cluster(redis_server.url, tiny_model, tmp_path, "csrf", (),
+                         {"PARKQ_API_KEYS": KEY}) as c:  # fmt: skip
+        base = c.base_url
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM,
+                                         args=["--no-sandbox", "--disable-gpu"])  # fmt: skip
+            context = browser.new_context()
+            page = context.new_page()
+            page.route("http://attacker.example/", lambda route: route.fulfill(
+                content_type="text/html", body=ATTACKER.format(base=base, key=KEY)))  # fmt: skip
+            with page.expect_response(base + "/dashboard/login") as posted:
+                page.goto("http://attacker.example/")
+            resp = posted.value
+            assert resp.status == 403
+            assert resp.json()["error"]["code"] == "cross_site_sign_in"
+            assert resp.request.headers.get("origin") == "http://attacker.example"
+            assert not [k for k in context.cookies() if k["name"] == "parkq_session"]
+            page.goto(base + "/")
+            page.wait_for_selector("#login:not([hidden])")  # still signed out
+            page.fill("input[name=key]", KEY)
+            page.click("button[type=submit]")
+            page.wait_for_selector("#app:not([hidden])")
+            assert [k for k in context.cookies() if k["name"] == "parkq_session"]
+            browser.close()

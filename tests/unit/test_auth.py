@@ -164,3 +164,80 @@ def test_too_few_web_threads_for_the_streams_cap_lowers_the_cap(settings: Settin
     assert stream_slots(narrow) == 64 - SPARE_THREADS
     wide = settings.model_copy(update={"web_threads": 2000, "max_streams": 100})
     assert stream_slots(wide) == 100
+
+
+def test_a_sign_in_from_another_sites_page_is_refused(app: Flask) -> None:
+    """Login CSRF: another site's page posting its own key would sign the visitor in
+    to its tenant. The browser's own word (Sec-Fetch-Site), else Origin, else
+    Referer, must name this server; a request with none of them (curl) passes."""
+    client = app.test_client()
+    refused = [
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "same-site"},
+        {"Sec-Fetch-Site": "cross-site", "Origin": "http://localhost"},  # Fetch Metadata first
+        {"Origin": "https://evil.example"},
+        {"Origin": "null"},  # a sandboxed frame, a cross-site redirect
+        {"Origin": "http://localhost:8080"},  # another port is another origin
+        {"Origin": "http://localhost.evil.example"},
+        {"Referer": "https://evil.example/page?x=1"},
+        {"Referer": "not a url"},
+    ]
+    for headers in refused:
+        resp = client.post("/dashboard/login", data={"key": "key-one"}, headers=headers)
+        assert resp.status_code == 403, headers
+        assert resp.get_json()["error"] == {
+            "message": resp.get_json()["error"]["message"],
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "cross_site_sign_in",
+        }
+        assert "Set-Cookie" not in resp.headers
+    allowed = [
+        {},
+        {"Sec-Fetch-Site": "same-origin", "Origin": "http://localhost"},
+        {"Sec-Fetch-Site": "none"},  # typed by the user
+        {"Origin": "http://localhost"},
+        {"Origin": "http://LOCALHOST:80"},
+        {"Referer": "http://localhost/?login=failed"},
+    ]
+    for headers in allowed:
+        resp = client.post("/dashboard/login", data={"key": "key-one"}, headers=headers)
+        assert resp.status_code == 303 and resp.headers["Location"] == "/", headers
+        assert "Set-Cookie" in resp.headers
+
+
+def test_a_refused_cross_site_sign_in_is_not_an_attempt(app: Flask) -> None:
+    """Refused before the attempt counter: another site's page cannot lock a
+    visitor's address out of signing in."""
+    from web.dashboard import LOGIN_ATTEMPTS
+
+    client = app.test_client()
+    for _ in range(LOGIN_ATTEMPTS + 5):
+        resp = client.post("/dashboard/login", data={"key": "wrong"},
+                           headers={"Origin": "https://evil.example"})  # fmt: skip
+        assert resp.status_code == 403
+    assert client.post("/dashboard/login", data={"key": "key-one"}).status_code == 303
+
+
+def test_a_sign_in_through_a_proxy_that_rewrites_host(
+    settings: Settings, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """Behind a proxy the Host header may name the upstream: a browser with Fetch
+    Metadata is judged by it alone; an older one's Origin may name the host the
+    trusted proxy forwarded (X-Forwarded-Host), and only a trusted proxy's."""
+    s = settings.model_copy(update={"api_keys": "k"})
+    origin = {"Origin": "https://parkq.example", "X-Forwarded-Host": "parkq.example",
+              "X-Forwarded-Proto": "https"}  # fmt: skip
+    direct = create_app(s, vocab=FakeVocab(), client=fake_redis).test_client()
+    resp = direct.post("/dashboard/login", data={"key": "k"}, headers=origin,
+                       base_url="http://127.0.0.1:8000")  # fmt: skip
+    assert resp.status_code == 403  # nobody vouches for the forwarded name
+    fetch = {"Sec-Fetch-Site": "same-origin", "Origin": "https://parkq.example"}
+    resp = direct.post("/dashboard/login", data={"key": "k"}, headers=fetch,
+                       base_url="http://127.0.0.1:8000")  # fmt: skip
+    assert resp.status_code == 303
+    proxied = create_app(s.model_copy(update={"trusted_proxies": 1}), vocab=FakeVocab(),
+                         client=fake_redis).test_client()  # fmt: skip
+    resp = proxied.post("/dashboard/login", data={"key": "k"}, headers=origin,
+                        base_url="http://127.0.0.1:8000")  # fmt: skip
+    assert resp.status_code == 303 and "Secure" in resp.headers["Set-Cookie"]
