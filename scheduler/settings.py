@@ -266,8 +266,10 @@ class Settings(BaseSettings):
     files_max_bytes: int = Field(
         1024**3,
         ge=0,
-        description="All uploaded files together, in bytes (they are kept in Redis): an upload "
-        "past it is refused with 413 until files are deleted or expire (0: no limit).",
+        description="One tenant's uploaded files together (an API key's, or those of the keys "
+        "under one name; everyone's without keys), in bytes (they are kept in Redis): an "
+        "upload past it is refused with 413 until that tenant's files are deleted or expire "
+        "(0: no limit).",
     )
     batch_window: int = Field(
         4,

@@ -60,13 +60,13 @@ def upload_file() -> Any:
     settings = current().settings
     store = batch_store()
     quota = settings.files_max_bytes
-    if quota:
-        used = store.uploaded_bytes()
+    if quota:  # per tenant; the message names the caller's usage alone
+        used = store.uploaded_bytes(caller().tenant)
         if used + len(content) > quota:
             raise PayloadTooLarge(
-                f"Uploaded files hold {used} of the {quota} bytes this server keeps "
-                f"(PARKQ_FILES_MAX_BYTES); this one ({len(content)} bytes) does not fit. Delete "
-                "files (DELETE /v1/files/<id>) or wait for them to expire.",
+                f"Your uploaded files hold {used} of the {quota} bytes one tenant may keep "
+                f"(PARKQ_FILES_MAX_BYTES, per API key); this one ({len(content)} bytes) does "
+                "not fit. Delete files (DELETE /v1/files/<id>) or wait for them to expire.",
                 code="files_quota_exceeded",
             )
     now = time.time()

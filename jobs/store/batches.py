@@ -206,10 +206,13 @@ class BatchStore:
         files = [f for f in found.values() if f is not None]
         return [f for f in files if purpose is None or f["purpose"] == purpose]
 
-    def uploaded_bytes(self) -> int:
-        """Bytes of the uploaded files still kept (not batches' outputs); forgets the
-        ids of the files that expired."""
-        ids = [as_text(x) for x in self.r.zrange(self.keys.files, 0, -1)]
+    def uploaded_bytes(self, owner: str = "") -> int:
+        """Bytes of the uploaded files of tenant ``owner`` still kept (not batches'
+        outputs; '': every file, the one tenant without API keys). Summed from the
+        records that exist, so a deleted or expired file is never counted; forgets
+        the ids of those from the index it read."""
+        index = self.keys.files_of(owner) if owner else self.keys.files
+        ids = [as_text(x) for x in self.r.zrange(index, 0, -1)]
         rows: list[Any] = []
         for start in range(0, len(ids), 1000):
             with self.r.pipeline(transaction=False) as p:
@@ -218,7 +221,7 @@ class BatchStore:
                 rows.extend(p.execute())
         gone = [i for i, (size, _) in zip(ids, rows, strict=True) if size is None]
         if gone:
-            self.r.zrem(self.keys.files, *gone)
+            self.r.zrem(index, *gone)
         return sum(
             int(size)
             for size, purpose in rows

@@ -19,7 +19,8 @@ import pytest
 import requests
 
 from tests.integration.conftest import TEST_ENV, start_parkq, stop_parkq
-from tests.integration.helpers import read_events, wait_until
+from tests.integration.helpers import read_events, wait_until, web_answers
+from tests.integration.test_workers import running_cluster
 
 ALICE, BOB, ADMIN = "secret-of-alice", "secret-of-bob", "secret-of-ops"
 SHORT = {"prompt": "Tenants", "max_tokens": 5, "temperature": 0}
@@ -207,3 +208,41 @@ def test_requests_are_counted_by_key_name_for_the_admin(base: str) -> None:
     assert any(name.startswith("key-") and n >= 1 for name, n in counts.items())
     assert ALICE not in text and BOB not in text  # names, never keys
     assert "parkq_requests_total" not in bob("GET", "/metrics").text
+
+
+def test_the_upload_quota_is_each_keys_own(redis_server: Any, tiny_model: Path,
+                                           tmp_path: Path) -> None:  # fmt: skip
+    """`parkq web` on a real Redis with a 1,000-byte upload quota: Alice at hers gets
+    413 naming her usage alone; Bob still uploads; a deleted and an expired file
+    give their bytes back."""
+    import redis
+
+    from scheduler.keys import Keys
+
+    env = {"PARKQ_API_KEYS": f"alice:{ALICE},{BOB}", "PARKQ_FILES_MAX_BYTES": "1000"}
+    with running_cluster(redis_server.url, tiny_model, tmp_path, "tquota", (), env) as c:
+        wait_until(lambda: web_answers(c.base_url), timeout=60)
+        alice, bob = Api(c.base_url, ALICE), Api(c.base_url, BOB)
+
+        def upload(api: Api, size: int) -> requests.Response:
+            head = b'{"custom_id": "x", "pad": "'
+            content = head + b"p" * (size - len(head) - 2) + b'"}'
+            return api("POST", "/v1/files", data={"purpose": "batch"},
+                       files={"file": ("f.jsonl", io.BytesIO(content))})  # fmt: skip
+
+        first = upload(alice, 700)
+        assert first.status_code == 200 and upload(bob, 250).status_code == 200
+        over = upload(alice, 400)
+        assert over.status_code == 413
+        error = over.json()["error"]
+        assert error["code"] == "files_quota_exceeded"
+        assert "hold 700 of the 1000 bytes" in error["message"] and "950" not in error["message"]
+        assert upload(bob, 600).status_code == 200  # 850 of Bob's own 1,000
+        assert alice("DELETE", f"/v1/files/{first.json()['id']}").status_code == 200
+        second = upload(alice, 700)
+        assert second.status_code == 200 and upload(alice, 400).status_code == 413
+        r = redis.Redis.from_url(c.env["PARKQ_REDIS_URL"])
+        r.pexpire(Keys("tquota").file(second.json()["id"]), 1)  # it expires
+        wait_until(lambda: not r.exists(Keys("tquota").file(second.json()["id"])))
+        r.close()
+        assert upload(alice, 1000).status_code == 200
