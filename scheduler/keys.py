@@ -77,6 +77,11 @@ class Keys:
         """Stream of one job's SSE events; entry ids are ``<seq>-0``. Bound: as the job's."""
         return f"{self.events_prefix}{job_id}"
 
+    def readers(self, job_id: str) -> str:
+        """Sorted set of the leases of one job's stream readers (a token per open
+        stream) scored by when each ends. Bound: expires when its last lease ends."""
+        return f"{self.base}:readers:{job_id}"
+
     def channel(self, job_id: str) -> str:
         """Pub/sub channel announcing one job's new events live."""
         return f"{self.channel_prefix}{job_id}"

@@ -8,6 +8,8 @@ filled from the stream, so every event reaches the reader once, in order.
 
 from __future__ import annotations
 
+import logging
+import secrets
 import select
 import socket
 import time
@@ -18,7 +20,9 @@ import redis
 from jobs.store.events import DONE, error_event
 from jobs.store.scheduling import Store
 
-__all__ = ["KEEPALIVE", "client_gone", "events", "frame", "merged"]
+__all__ = ["KEEPALIVE", "Reading", "client_gone", "events", "frame", "merged"]
+
+log = logging.getLogger(__name__)
 
 KEEPALIVE = b": keepalive\n\n"
 
@@ -50,6 +54,54 @@ def client_gone(sock: socket.socket | None) -> bool:
         return False
     except OSError:
         return True
+
+
+class Reading:
+    """A stream's hold on its jobs: a lease on each under a token of its own,
+    taken at the start, renewed while it reads, given back at the end.
+
+    Taking and giving back are idempotent (Store.lease), so :meth:`release`
+    may follow a :meth:`hold` that failed halfway or whose answer was lost;
+    a lease that cannot be given back (Redis unreachable then, the process
+    killed) ends by itself ``lease`` seconds after its last renewal, and the
+    job counts as left from then. A reader stalled longer than that (its
+    client not reading) counts as left too.
+    """
+
+    def __init__(self, store: Store, job_ids: list[str], keepalive: float) -> None:
+        self.store, self.job_ids = store, job_ids
+        self.token = secrets.token_hex(8)
+        #: Several renewals fit in one lease, whatever the keep-alive period.
+        self.lease = max(60.0, 4 * keepalive)
+        self._renew_at = 0.0
+
+    def hold(self, now: float) -> None:
+        """Take (or renew) the lease on every job; raises what Redis raised."""
+        for job_id in self.job_ids:
+            self.store.lease(job_id, self.token, now + self.lease, now)
+        self._renew_at = time.monotonic() + self.lease / 4
+
+    def renew(self) -> None:
+        """Renew the leases when a quarter of one has passed; a failure is
+        logged and tried again at the next call (the stream's own reads say
+        whether Redis is gone)."""
+        if time.monotonic() < self._renew_at:
+            return
+        try:
+            self.hold(time.time())
+        except redis.RedisError as exc:
+            log.warning("jobs %s: reader lease not renewed: %s", ",".join(self.job_ids), exc)
+            self._renew_at = time.monotonic() + 1.0
+
+    def release(self, now: float) -> None:
+        """Give back the lease on every job, each on its own (one that fails
+        ends by itself)."""
+        for job_id in self.job_ids:
+            try:
+                self.store.lease(job_id, self.token, 0, now)
+            except redis.RedisError as exc:
+                log.warning("job %s: reader lease not given back (it ends in %.0f s): %s",
+                            job_id, self.lease, exc)  # fmt: skip
 
 
 def events(
@@ -100,10 +152,9 @@ def merged(
     channels = {store.keys.channel(job_id).encode(): i for i, job_id in enumerate(job_ids)}
     last = list(after)
     open_ = set(range(len(job_ids)))
-    now = time.time()
-    for job_id in job_ids:
-        store.reader(job_id, +1, now)
+    reading = Reading(store, job_ids, keepalive)
     try:
+        reading.hold(time.time())  # inside the try: a hold that fails is given back too
         stale = set(open_)  # jobs whose stored events may hold some not yet yielded
         while open_:
             for i in sorted(stale & open_):
@@ -136,6 +187,7 @@ def merged(
             stale = set()
             deadline = time.monotonic() + keepalive
             while open_ and not stale:
+                reading.renew()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     yield None
@@ -165,7 +217,7 @@ def merged(
                     open_.discard(i)
                 deadline = time.monotonic() + keepalive
     finally:
-        pubsub.close()
-        now = time.time()
-        for job_id in job_ids:
-            store.reader(job_id, -1, now)
+        try:
+            reading.release(time.time())
+        finally:
+            pubsub.close()

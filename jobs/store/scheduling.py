@@ -157,7 +157,8 @@ class Step:
     flags: int
     #: Ordering key of the best waiting job (higher runs first), if any.
     head_key: float | None
-    #: When the job's last stream reader left (None: one is reading, or never read).
+    #: When the job's last stream reader left, or when its readers' last lease
+    #: ends (ahead while one is held; None: a counted reader reads, or never read).
     detached_at: float | None = None
     #: Events this write added (a replay's events already stored are not).
     written: int = 0
@@ -411,8 +412,18 @@ class Store:
         return int(fed)
 
     def reader(self, job_id: str, delta: int, now: float) -> None:
-        """A stream reader of the job attaches (+1) or leaves (-1)."""
-        self._run("reader", [self.keys.job(job_id)], [delta, repr(now)])
+        """A counted reader of the job attaches (+1) or leaves (-1): one that never
+        fails to leave (a lease, :meth:`lease`, needs no such care)."""
+        k = self.keys
+        self._run("reader", [k.job(job_id), k.readers(job_id)], ["", 0, repr(now), delta])
+
+    def lease(self, job_id: str, token: str, until: float, now: float) -> None:
+        """Stream reader ``token`` reads the job until ``until`` (attach or renew),
+        or (``until`` 0) has left. Idempotent: a call that failed or whose answer
+        was lost may be repeated, and a lease given back that was never taken
+        changes nothing; a lease never given back ends at ``until``."""
+        k = self.keys
+        self._run("reader", [k.job(job_id), k.readers(job_id)], [token, repr(until), repr(now), 0])
 
     def get(self, job_id: str) -> dict[str, str] | None:
         raw = self.r.hgetall(self.keys.job(job_id))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import requests
 from tests.integration.conftest import Server
 from tests.integration.helpers import job, read_events, submit_stream, wait_until
 from tests.integration.test_workers import Cluster, running_cluster
+from web.api import choice_id
 
 LONG = {"prompt": "A reply nobody reads", "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
 
@@ -116,7 +118,7 @@ def test_a_client_that_leaves_a_queued_job_is_noticed_and_the_job_never_runs(
     key = f"{{disconnect}}:job:{job_id}"
     client = redis.Redis.from_url(server.env["PARKQ_REDIS_URL"])
     # Noticed without a keep-alive write (15 s apart by default): within seconds.
-    wait_until(lambda: client.hget(key, "detached_at") is not None, timeout=10)
+    wait_until(lambda: client.hget(key, "readers") == b"0", timeout=10)
     client.close()
     noticed = time.monotonic() - left
     time.sleep(max(0.0, 1.5 - noticed))  # past the grace (1 s here) before it can run
@@ -126,3 +128,38 @@ def test_a_client_that_leaves_a_queued_job_is_noticed_and_the_job_never_runs(
     status = job(server.base_url, job_id)
     assert status["finish_reason"] == "client_gone" and status["tokens"] == 0
     print(f"\ndisconnect while queued: noticed after {noticed:.2f} s")
+
+
+def test_a_stream_whose_second_registration_fails_leaves_no_reader_behind(
+    redis_server, tiny_model: Path, tmp_path: Path
+) -> None:
+    """An `n` = 2 stream whose second job's reader registration gets a Redis error
+    (injected in the web process: tests/faultreaders.py): the stream ends, no
+    reader is left counted on either job, and both interactive jobs are cancelled
+    as abandoned after the grace (1 s here). Before: the first job's count stayed
+    at 1 and it ran to its end with nobody reading."""
+    c = Cluster(redis_server.url, tiny_model, tmp_path, prefix="regfail")
+    c._start_faulty("web", "tests.faultreaders", ["--port", str(c.port)],
+                    {"PARKQ_TEST_READER_FAIL": "2"})  # fmt: skip
+    try:
+        c.start_worker("slow", env={"PARKQ_TEST_DECODE_DELAY_SECONDS": "0.002"})
+        wait_until(lambda: c.workers_alive() == 1, timeout=60)
+        body = {**LONG, "priority": "interactive", "n": 2, "temperature": 0.8, "seed": 3}
+        resp = submit_stream(c.base_url, body)
+        job_ids = [choice_id(resp.headers["X-Job-Id"], i) for i in range(2)]
+        with pytest.raises(requests.RequestException):
+            read_events(resp)  # the stream is cut by the failed registration
+        resp.close()
+        r = redis.Redis.from_url(c.env["PARKQ_REDIS_URL"])
+        for job_id in job_ids:
+            wait_until(partial(_in_state, c, job_id, "cancelled"), timeout=30)
+            status = job(c.base_url, job_id)
+            assert status["finish_reason"] == "client_gone" and status["tokens"] < 3000
+            assert int(r.hget(f"{{regfail}}:job:{job_id}", "readers") or 0) == 0
+        r.close()
+    finally:
+        c.stop()
+
+
+def _in_state(c: Cluster, job_id: str, state: str) -> bool:
+    return bool(job(c.base_url, job_id)["state"] == state)
