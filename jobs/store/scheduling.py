@@ -412,8 +412,9 @@ class Store:
         return int(fed)
 
     def reader(self, job_id: str, delta: int, now: float) -> None:
-        """A counted reader of the job attaches (+1) or leaves (-1): one that never
-        fails to leave (a lease, :meth:`lease`, needs no such care)."""
+        """A counted reader of the job (no lease) attaches (+1) or leaves (-1); a
+        -1 that never comes, or a +1 applied twice, leaves it read for good
+        (:meth:`lease` has neither failure)."""
         k = self.keys
         self._run("reader", [k.job(job_id), k.readers(job_id)], ["", 0, repr(now), delta])
 
