@@ -50,6 +50,8 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 return 0
 """
+#: The longest wait between two sweeps after failed ones.
+BACKOFF_SECONDS = 30.0
 #: Batches are looked at every this many sweeps (each look reads every line's state).
 BATCH_EVERY = 6
 #: Batch states whose lines may still run or whose files are not written yet.
@@ -63,11 +65,14 @@ class Swept:
 
 
 def compact_ended(store: Store, replay_seconds: int, seconds: float = SWEEP_SECONDS) -> int:
-    """Let the events of ended jobs expire after ``replay_seconds`` and keep the
-    results of the finished ones, until none is left or ``seconds`` have passed;
-    how many were done. The expiry comes first: it frees memory even while Redis
-    refuses the writes that would add some (maxmemory). A job that cannot be
-    done stays listed for the next sweep; the others go on."""
+    """Keep the results of the finished jobs that ended, then let their events
+    expire after ``replay_seconds``, until none is left or ``seconds`` have
+    passed; how many were done. A job's events expire only once its result is
+    written (they are its only copy until then), so a Redis that refuses
+    writes (maxmemory: OOM, any error reply) stops the sweep with that job
+    still listed; the janitor backs off and tries again. A job whose result
+    cannot be made (its own data) is logged and its events expire all the
+    same."""
     k = store.keys
     done, end = 0, time.monotonic() + seconds
     while time.monotonic() < end:
@@ -75,14 +80,7 @@ def compact_ended(store: Store, replay_seconds: int, seconds: float = SWEEP_SECO
         if not ids:
             break
         for job_id in ids:
-            try:
-                _compact(store, job_id, replay_seconds)
-            except redis.exceptions.OutOfMemoryError:
-                continue  # its events expire all the same; its result next time
-            except redis.RedisError:
-                raise
-            except Exception:
-                log.exception("job %s: could not keep its result", job_id)
+            _compact(store, job_id, replay_seconds)  # a Redis error ends the sweep
             store.r.zrem(k.ended, job_id)
             done += 1
         if len(ids) < SWEEP:
@@ -92,9 +90,20 @@ def compact_ended(store: Store, replay_seconds: int, seconds: float = SWEEP_SECO
 
 def _compact(store: Store, job_id: str, replay_seconds: int) -> None:
     k = store.keys
+    try:
+        _keep_result(store, job_id)
+    except redis.RedisError:
+        raise
+    except Exception:
+        log.exception("job %s: could not keep its result", job_id)
     ttl = int(store.r.ttl(k.events(job_id)))
     if ttl == -1 or ttl > replay_seconds:
         store.r.expire(k.events(job_id), replay_seconds)
+
+
+def _keep_result(store: Store, job_id: str) -> None:
+    """Write a finished job's response body into its record (once)."""
+    k = store.keys
     state, kept = store.r.hmget(k.job(job_id), ["state", "result"])
     if state is None or kept is not None or JobState(as_text(state)) is not JobState.FINISHED:
         return
@@ -120,11 +129,19 @@ class Janitor:
         self._thread.start()
 
     def _run(self) -> None:
+        every, failures = self.settings.janitor_seconds, 0
         while True:
-            time.sleep(self.settings.janitor_seconds)
+            # After failed sweeps, longer waits (up to BACKOFF_SECONDS, or the
+            # period when it is longer): a Redis refusing writes is not hammered.
+            time.sleep(min(every * 2**failures, max(every, BACKOFF_SECONDS)))
             try:
                 self.sweep()
-            except Exception:  # a Redis outage, a bug: the next sweep tries again
+                failures = 0
+            except redis.RedisError as exc:  # down, failing over, refusing: later
+                failures = min(failures + 1, 16)
+                log.warning("the janitor's sweep stopped: Redis: %s", exc)
+            except Exception:  # a bug: the next sweep tries again
+                failures = min(failures + 1, 16)
                 log.exception("the janitor's sweep failed")
 
     def sweep(self) -> Swept | None:
@@ -152,6 +169,11 @@ class Janitor:
                 for batch_id in ids[start : start + 1000]:
                     p.hget(self.store.keys.batch(batch_id), "status")
                 statuses.extend(p.execute())
+        # The all-tenant index loses the ids whose record has expired: it stays
+        # as long as PARKQ_BATCH_RETENTION_SECONDS of batches, not all of them.
+        gone = [batch_id for batch_id, status in zip(ids, statuses, strict=True) if status is None]
+        for start in range(0, len(gone), 1000):
+            self.store.r.zrem(self.store.keys.batches, *gone[start : start + 1000])
         with self.app.app_context():
             for batch_id, status in zip(ids, statuses, strict=True):
                 if status is None or as_text(status) not in OPEN_BATCH:

@@ -156,34 +156,48 @@ def merged(
     try:
         reading.hold(time.time())  # inside the try: a hold that fails is given back too
         stale = set(open_)  # jobs whose stored events may hold some not yet yielded
+        failures = 0
         while open_:
-            for i in sorted(stale & open_):
-                end = store.ending(job_ids[i])  # before the events: all it wrote is stored
-                for seq, data in store.events_after(job_ids[i], last[i]):
-                    last[i] = seq
-                    yield i, seq, data
-                    if data == DONE:
+            try:
+                for i in sorted(stale & open_):
+                    end = store.ending(job_ids[i])  # before the events: all it wrote is stored
+                    for seq, data in store.events_after(job_ids[i], last[i]):
+                        last[i] = seq
+                        yield i, seq, data
+                        if data == DONE:
+                            open_.discard(i)
+                            break
+                    if i in open_ and end is not None:
                         open_.discard(i)
-                        break
-                if i in open_ and end is not None:
-                    open_.discard(i)
-                    if end.expired and last[i] < end.final_seq:
-                        # Its events expired under this reader (past the replay
-                        # window): said, never passed off as the end of its text.
-                        lost = error_event(
-                            "The job's events after this id have expired; GET "
-                            f"/v1/jobs/{job_ids[i]}/result has its result.", "server_error",
-                            "expired")  # fmt: skip
-                        yield i, end.final_seq + 1, lost
-                        yield i, end.final_seq + 2, DONE
-                        continue
-                    closing = [DONE] if end.done else end.closing_events()
-                    for seq, data in enumerate(closing, start=end.final_seq - len(closing) + 1):
-                        if seq > last[i]:
-                            last[i] = seq
-                            yield i, seq, data
-                        elif data == DONE:
-                            yield i, seq, data  # the client has it: the end, for merged readers
+                        if end.expired and last[i] < end.final_seq:
+                            # Its events expired under this reader (past the replay
+                            # window): said, never passed off as the end of its text.
+                            lost = error_event(
+                                "The job's events after this id have expired; GET "
+                                f"/v1/jobs/{job_ids[i]}/result has its result.", "server_error",
+                                "expired")  # fmt: skip
+                            yield i, end.final_seq + 1, lost
+                            yield i, end.final_seq + 2, DONE
+                            continue
+                        closing = [DONE] if end.done else end.closing_events()
+                        for seq, data in enumerate(closing, start=end.final_seq - len(closing) + 1):
+                            if seq > last[i]:
+                                last[i] = seq
+                                yield i, seq, data
+                            elif data == DONE:
+                                yield i, seq, data  # the client has it: the end, for merged readers
+            except redis.RedisError as exc:
+                # Redis down, failing over or refusing (any error reply): the
+                # stream stays open (keep-alives) and reads again once it answers.
+                failures += 1
+                log.warning("jobs %s: events not read (%s); retrying",
+                            ",".join(job_ids), exc)  # fmt: skip
+                if gone is not None and gone():
+                    return
+                time.sleep(min(2.0, 0.05 * 2**failures))
+                yield None
+                continue
+            failures = 0
             stale = set()
             deadline = time.monotonic() + keepalive
             while open_ and not stale:
@@ -197,7 +211,7 @@ def merged(
                     return
                 try:
                     msg = pubsub.get_message(timeout=min(left, GONE_CHECK_SECONDS))
-                except redis.ConnectionError:
+                except redis.RedisError:
                     time.sleep(min(1.0, left))
                     stale = set(open_)
                     break

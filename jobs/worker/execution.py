@@ -57,28 +57,47 @@ from scheduler.policy import PRIORITY_LEVELS, priority_label
 from scheduler.settings import Settings
 from scheduler.state import JobState
 
-__all__ = ["TRANSIENT", "WAIT", "Executions", "Job", "Running", "Slot", "StepWriter", "Write"]
+__all__ = ["TRANSIENT", "WAIT", "error_code", "Executions", "Job", "Running", "Slot", "StepWriter", "Write"]
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
 
-#: What Redis answers while it cannot serve for a while: gone or restarting
-#: (a connection error, a timeout, loading its data), or refusing writes
-#: (maxmemory reached, a replica that was the primary, a primary without
-#: replicas to write to). The worker waits for each and carries on; it never
-#: exits for one.
+#: What a Redis call can fail with that is Redis's state, not the job's: a
+#: connection that failed or timed out (a restart, a failover, LOADING), and
+#: any error reply. Redis and Valkey refuse commands for many reasons that
+#: pass (maxmemory: OOM; a demoted or stale replica: READONLY, MASTERDOWN,
+#: UNBLOCKED; min-replicas-to-write: NOREPLICAS; a failing disk: MISCONF; a
+#: long script: BUSY; a restarted server: NOSCRIPT; TRYAGAIN) and new ones
+#: come with new versions, so no reply is listed: the worker waits each out
+#: with back-off and carries on; it never exits for one. (parkq's scripts
+#: answer with values, never with error replies; a reply that would never
+#: pass is a bug, which this makes a worker that waits and logs, not one that
+#: dies: tests/integration/test_redis_replies.py.)
 TRANSIENT: tuple[type[Exception], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
-    redis.exceptions.OutOfMemoryError,
-    redis.exceptions.ReadOnlyError,
-    redis.exceptions.MasterDownError,
-    redis.exceptions.TryAgainError,
+    redis.ResponseError,
 )
-#: What a server answers once it is no longer the primary.
-MOVED_PRIMARY = (redis.exceptions.ReadOnlyError, redis.exceptions.MasterDownError)
+#: The codes of what a server answers once it is no longer the primary (or
+#: while it is becoming a replica): connect anew, to whatever is the primary.
+MOVED_PRIMARY = frozenset({"READONLY", "MASTERDOWN", "UNBLOCKED"})
+
+
+def error_code(exc: BaseException) -> str:
+    """The code of a Redis error reply (its first word, by the protocol:
+    ``NOREPLICAS``, ``READONLY``, ``ERR``); "" for anything else."""
+    if not isinstance(exc, redis.ResponseError):
+        return ""
+    word = str(exc).split(" ", 1)[0]
+    # (redis-py prefixes a pipeline's error with "Command # n (...) of pipeline
+    # caused error: "; the reply's own words follow.)
+    if word == "Command" and "caused error: " in str(exc):
+        word = str(exc).split("caused error: ", 1)[1].split(" ", 1)[0]
+    return word if word.isupper() else ""
+
+
 #: Fenced writes (steps, parks, finishes) through a Redis restart: back-off
 #: from 0.2 s to 2 s, about a minute in all.
 WRITE_RETRY = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=32, supported_errors=TRANSIENT)
@@ -570,7 +589,9 @@ class Executions:
         replica (its primary moved): drop the pooled connections, so the next try
         connects anew."""
         self._redis_lost_at = time.time()
-        if isinstance(exc, MOVED_PRIMARY):
+        if error_code(exc) in MOVED_PRIMARY or isinstance(
+            exc, (redis.exceptions.ReadOnlyError, redis.exceptions.MasterDownError)
+        ):
             self.store.r.connection_pool.disconnect()
 
     def _abandoned(self, level: int, detached_at: float) -> bool:
