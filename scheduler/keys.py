@@ -101,6 +101,14 @@ class Keys:
         return f"{self.base}:ended"
 
     @property
+    def store_id(self) -> str:
+        """String: this deployment's store id, a random token the first process to
+        connect writes once (SET NX). With Sentinel a process uses a server only if
+        it holds the id the process has already seen (jobs/store/connect.py): a
+        primary that restarted empty is not taken for the store. Bound: one key."""
+        return f"{self.base}:store"
+
+    @property
     def janitor_lock(self) -> str:
         """String held by the `parkq web` process whose janitor is sweeping. Bound: expires."""
         return f"{self.base}:janitor"

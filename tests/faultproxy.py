@@ -4,12 +4,13 @@ chosen commands with a chosen error reply for a while, or drops connections.
 Which commands a fault hits is asked of the server itself at start (``COMMAND``
 and each command's flags), not listed here: ``writes`` are the commands flagged
 ``write`` or ``may_replicate``, and the scripts (EVAL, EVALSHA and FCALL: a
-script's writes are refused as it makes them), ``blocking`` those flagged ``blocking`` (BLPOP, XREAD, BZPOPMIN, ...)
-and WAIT, ``all`` every command but the connection's handshake (AUTH, HELLO,
-SELECT, CLIENT). A refused command is never forwarded; inside MULTI it is
-refused when queued and the EXEC then answers EXECABORT (the transaction
-discarded upstream), as Redis 7 does. ``drop`` closes every connection and
-accepts new ones only to close them, for a while.
+script's writes are refused as it makes them); ``blocking`` those flagged
+``blocking`` (BLPOP, XREAD, BZPOPMIN, ...) and WAIT; ``all`` every command but
+the connection's handshake (AUTH, HELLO, SELECT, CLIENT). A refused command
+is never forwarded; inside MULTI it is refused when queued and the EXEC then
+answers EXECABORT (the transaction discarded upstream), as Redis 7 does.
+``drop`` closes every connection and accepts new ones only to close them, for
+a while.
 
 Replies are relayed one per command, in order (the proxy reads one command,
 forwards it, reads exactly one reply back); a connection that subscribes
@@ -33,7 +34,7 @@ from typing import Literal
 
 import redis
 
-__all__ = ["ERROR_REPLIES", "FaultProxy", "Target"]
+__all__ = ["ERROR_REPLIES", "FaultProxy", "StaleSentinel", "Target"]
 
 Target = Literal["writes", "blocking", "all"]
 
@@ -295,3 +296,65 @@ class FaultProxy:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, OSError):
                 await task
+
+
+def _bulk(text: str) -> bytes:
+    data = text.encode()
+    return b"$%d\r\n%s\r\n" % (len(data), data)
+
+
+class StaleSentinel:
+    """A sentinel that has not heard of a failover: to ``SENTINEL MASTERS`` (and
+    ``GET-MASTER-ADDR-BY-NAME``) it names the primary it was told, healthy, at
+    configuration epoch 0, whatever the other sentinels did since; every other
+    command gets +OK. Put first in a Sentinel URL, it is the first answer a
+    client gets, as a lagging sentinel's is in the window after a failover."""
+
+    def __init__(self, service: str, primary: int, port: int) -> None:
+        self.service, self.primary, self.port = service, primary, port
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.Server | None = None
+
+    def __enter__(self) -> StaleSentinel:
+        async def listen() -> None:
+            self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(listen(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        async def stop() -> None:
+            if self._server is not None:
+                self._server.close()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def _state(self) -> bytes:
+        fields = {"name": self.service, "ip": "127.0.0.1", "port": str(self.primary),
+                  "runid": "0" * 40, "flags": "master", "num-other-sentinels": "2",
+                  "config-epoch": "0", "quorum": "2", "num-slaves": "1"}  # fmt: skip
+        body = b"".join(_bulk(k) + _bulk(v) for k, v in fields.items())
+        return b"*%d\r\n%s" % (2 * len(fields), body)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                words = [w.upper() for w in _command(await _read_value(reader))]
+                if words[:2] == [b"SENTINEL", b"MASTERS"]:
+                    writer.write(b"*1\r\n" + self._state())
+                elif words[:1] == [b"HELLO"]:  # (a RESP2 server: the client falls back)
+                    writer.write(b"-ERR unknown command 'HELLO'\r\n")
+                elif words[:2] == [b"SENTINEL", b"GET-MASTER-ADDR-BY-NAME"]:
+                    writer.write(b"*2\r\n" + _bulk("127.0.0.1") + _bulk(str(self.primary)))
+                else:
+                    writer.write(b"+OK\r\n")
+                await writer.drain()
+        except (OSError, asyncio.IncompleteReadError, ValueError, IndexError):
+            pass
+        finally:
+            writer.transport.abort()

@@ -96,6 +96,7 @@ def run_worker(settings: Settings) -> None:
     name = settings.worker_name or default_worker_name()
     client = connect(
         settings.redis_url or "",
+        store_key=settings.keys.store_id,
         health_check_interval=30,
         client_name=settings.keys.client_name(name),  # its liveness: see Worker
     )

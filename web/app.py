@@ -56,7 +56,10 @@ def create_app(
         # a pub/sub connection beside it (redis-py's pool stops at 100 by default).
         threads = settings.web_threads or settings.max_streams + SPARE_THREADS
         client = connect(
-            settings.redis_url, health_check_interval=30, max_connections=2 * threads + 64
+            settings.redis_url,
+            store_key=settings.keys.store_id,
+            health_check_interval=30,
+            max_connections=2 * threads + 64,
         )
     identity = None
     if vocab is None:

@@ -12,16 +12,40 @@ one. The client asks the sentinels for the primary at every new connection,
 so after a failover every process follows the new primary once its old
 connections fail (the callers wait out connection errors and READONLY replies
 from a demoted primary: jobs/worker/execution.py).
+
+With Sentinel a new connection is used only when its server is the store:
+
+- the primary is the one named by the sentinel with the newest configuration
+  (the highest ``config-epoch``), not the first that answers: a sentinel that
+  has not heard of a failover yet still names the old primary, and an old
+  primary that restarted answers again, so redis-py's first answer could be it;
+- the server says it is a primary (``ROLE``), not a replica;
+- it holds this deployment's store id (Keys.store_id) when the process has
+  already seen one: an old primary that restarted without its data is a
+  primary, empty, until the sentinels make it a replica (seconds later), and
+  an empty store would answer "no such job" for every job a client holds an
+  id for. Such a server is refused (a ConnectionError, waited out by every
+  caller) for STORE_GRACE_SECONDS; a store still without the id after that
+  has really lost its data, and is taken (logged as an error).
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote
 
 import redis
-from redis.sentinel import Sentinel
+from redis.sentinel import (
+    MasterNotFoundError,
+    Sentinel,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 
 __all__ = [
     "MIN_REDIS",
@@ -39,7 +63,13 @@ __all__ = [
 #: answers as the Redis version it is compatible with (7.2).
 MIN_REDIS = (6, 2)
 
+log = logging.getLogger(__name__)
+
 SCHEMES = ("redis+sentinel", "rediss+sentinel")
+#: How long a server without this deployment's store id (or with another) is
+#: refused before it is taken as the store: longer than the sentinels take to
+#: turn a returning old primary into a replica (about 10 s measured here).
+STORE_GRACE_SECONDS = 30.0
 DEFAULT_SENTINEL_PORT = 26379
 
 
@@ -109,8 +139,108 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     )
 
 
-def connect(url: str, **kwargs: Any) -> redis.Redis:
-    """A client for ``url`` (``kwargs`` as for ``redis.Redis``)."""
+class StoreCheck:
+    """One process's view of which server is its store (shared by its
+    connections): the store id it has seen, and since when it has refused a
+    server that lacks it."""
+
+    def __init__(self, key: str | None, grace: float = STORE_GRACE_SECONDS) -> None:
+        self.key = key
+        self.grace = grace
+        self.seen: bytes | None = None
+        self.refusing_since: float | None = None
+        self._lock = threading.Lock()
+
+    def check(self, conn: redis.connection.AbstractConnection) -> None:
+        """Raise ConnectionError unless ``conn``'s server is the primary and holds
+        the store id this process has seen (see the module's docstring)."""
+        where = f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
+        conn.send_command("ROLE")
+        role = conn.read_response()
+        kind = role[0] if isinstance(role, list) and role else b""
+        if (kind.decode() if isinstance(kind, bytes) else str(kind)) != "master":
+            raise redis.ConnectionError(f"Redis at {where} is not the primary (ROLE: {kind!r})")
+        if self.key is None:
+            return
+        held = _get(conn, self.key)
+        if held is None and self.seen is None:  # a new deployment: its id, once
+            conn.send_command("SET", self.key, secrets.token_hex(16), "NX")
+            conn.read_response()
+            held = _get(conn, self.key)
+        with self._lock:
+            if self.seen is None or held == self.seen:
+                self.seen, self.refusing_since = held, None
+                return
+            now = time.monotonic()
+            self.refusing_since = self.refusing_since or now
+            if now - self.refusing_since < self.grace:
+                raise redis.ConnectionError(
+                    f"Redis at {where} does not hold this deployment's store (a primary "
+                    "that restarted without its data?); waiting for the sentinels"
+                )
+            log.error(
+                "Redis at %s has held another store for %.0f s: this deployment's data "
+                "is lost; taking it as the store",
+                where,
+                now - self.refusing_since,
+            )
+            self.seen, self.refusing_since = held, None
+
+
+def _get(conn: redis.connection.AbstractConnection, key: str) -> bytes | None:
+    conn.send_command("GET", key)
+    got = conn.read_response()
+    return got.encode() if isinstance(got, str) else got
+
+
+class _Checked(SentinelManagedConnection):  # type: ignore[misc]
+    """A Sentinel-managed connection whose server is checked as it connects."""
+
+    store_check: StoreCheck
+
+    def on_connect_check_health(self, check_health: bool = True) -> None:
+        super().on_connect_check_health(check_health=check_health)
+        self.store_check.check(self)
+
+
+class _CheckedSSL(_Checked, SentinelManagedSSLConnection):  # type: ignore[misc]
+    pass
+
+
+class _NewestSentinel(Sentinel):  # type: ignore[misc]
+    """Sentinels whose primary is the one the newest configuration names."""
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        best: tuple[int, tuple[str, int]] | None = None
+        errors = []
+        for sentinel in self.sentinels:
+            try:
+                masters = sentinel.sentinel_masters()
+            except (redis.ConnectionError, redis.ResponseError, redis.TimeoutError) as exc:
+                errors.append(f"{sentinel}: {exc!r}")
+                continue
+            state = masters.get(service_name)
+            if state and self.check_master_state(state, service_name):
+                epoch = int(state.get("config-epoch", 0))
+                if best is None or epoch > best[0]:
+                    best = (epoch, (state["ip"], int(state["port"])))
+        if best is None:
+            raise MasterNotFoundError(
+                f"No master found for {service_name!r}: {'; '.join(errors) or 'none named'}"
+            )
+        return best[1]
+
+
+def connect(
+    url: str,
+    store_key: str | None = None,
+    store_grace: float = STORE_GRACE_SECONDS,
+    **kwargs: Any,
+) -> redis.Redis:
+    """A client for ``url`` (``kwargs`` as for ``redis.Redis``). With a Sentinel
+    URL every new connection checks its server (see the module's docstring);
+    ``store_key`` is the deployment's store id key (Keys.store_id), refused
+    when missing or other for ``store_grace`` seconds."""
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **kwargs)
     parsed = parse_sentinel_url(url)
@@ -123,12 +253,17 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
     if parsed.tls:
         sentinel_kwargs["ssl"] = True
         kwargs["ssl"] = True
-    sentinel = Sentinel(parsed.sentinels, sentinel_kwargs=sentinel_kwargs)
+    sentinel = _NewestSentinel(parsed.sentinels, sentinel_kwargs=sentinel_kwargs)
+    base = _CheckedSSL if parsed.tls else _Checked
+    # A class per client: its connections share one view of the store.
+    checked = type(base.__name__, (base,), {"store_check": StoreCheck(store_key, store_grace)})
+    kwargs.pop("ssl", None)  # (the connection class is TLS already)
     client: redis.Redis = sentinel.master_for(
         parsed.service,
         db=parsed.db,
         username=parsed.username,
         password=parsed.password,
+        connection_class=checked,
         **kwargs,
     )
     return client

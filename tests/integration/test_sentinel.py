@@ -45,10 +45,12 @@ QUEUED = {**LONG, "prompt": "A job that waits", "seed": 6, "max_tokens": 400}
 class Sentinels:
     """A primary, its replica and three sentinels watching them."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *server_args: str) -> None:
         self.primary = RedisServer(root / "primary")
         self.replica = RedisServer(root / "replica")
         self.root = root
+        #: Options of both servers (persistence, for one).
+        self.server_args = server_args
         self.ports = [fresh_port() for _ in range(3)]
         self.procs: list[subprocess.Popen[bytes]] = []
 
@@ -58,8 +60,8 @@ class Sentinels:
         return f"redis+sentinel://{hosts}/{SERVICE}/0"
 
     def start(self) -> None:
-        self.primary.start()
-        self.replica.start("--replicaof", "127.0.0.1", str(self.primary.port))
+        self.primary.start(*self.server_args)
+        self.replica.start(*self.server_args, "--replicaof", "127.0.0.1", str(self.primary.port))
         for i, port in enumerate(self.ports):
             work = self.root / f"sentinel{i}"
             work.mkdir(parents=True)
@@ -98,9 +100,9 @@ class Sentinels:
             proc.terminate()
         for proc in self.procs:
             proc.wait(timeout=20)
-        self.replica.stop()
-        if self.primary.proc is not None and self.primary.proc.poll() is None:
-            self.primary.stop()
+        for server in (self.replica, self.primary):
+            if server.proc is not None and server.proc.poll() is None:
+                server.stop()
 
 
 @pytest.fixture
