@@ -69,12 +69,22 @@ def run_worker(settings: Settings) -> None:
     if settings.max_seqs > 1:
         if settings.exact:
             try:
-                size, how = invariant_batch_size(engine, settings.max_seqs, settings.cache_dir)
+                verdict = invariant_batch_size(engine, settings.max_seqs, settings.cache_dir)
             except NotRepeatable as exc:
                 raise click.ClickException(
                     f"llama.cpp does not repeat itself on this machine ({exc}): no park can "
                     "resume bit-exactly here. PARKQ_EXACT=0 runs without that promise."
                 ) from None
+            size, how = verdict.size, verdict.how
+            if verdict.partial:
+                # Said as what it is: a check of the first positions, not of the context.
+                log.warning(
+                    "exactness beside other sequences was checked up to position %d of %d "
+                    "only (the check's time ran out): a job past it may get other tokens "
+                    "beside others than alone; PARKQ_MAX_SEQS=1 is exact at every position",
+                    verdict.horizon,
+                    verdict.n_ctx,
+                )
         else:
             size, how = settings.max_seqs, "PARKQ_EXACT off: any width, not checked"
         engine.plan_batching(size)

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from scheduler.settings import Settings, cache_root
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from jobs.engine.llama import LlamaEngine
 
 __all__ = [
+    "BatchVerdict",
     "KernelChoice",
     "choose_kernels",
     "invariant_batch_size",
@@ -176,7 +177,20 @@ def kernel_environment() -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(prefixes))
 
 
-def invariant_batch_size(engine: LlamaEngine, limit: int, cache_dir: str | None) -> tuple[int, str]:
+class BatchVerdict(NamedTuple):
+    """How many sequences one decode call may take; what the check found (for the
+    log); and the position up to which it checked, of how many."""
+
+    size: int
+    how: str
+    horizon: int
+    n_ctx: int
+    #: Checked short of the context (the probe's time budget ran out): past
+    #: ``horizon`` a batched sequence was not compared with one alone.
+    partial: bool
+
+
+def invariant_batch_size(engine: LlamaEngine, limit: int, cache_dir: str | None) -> BatchVerdict:
     """How many sequences one decode call of ``engine`` may take and stay exact
     (:meth:`LlamaEngine.probe_invariance`), checked once and cached per llama.cpp
     build, CPU, model file, engine shape, device and kernel environment (CUDA's
@@ -193,12 +207,12 @@ def invariant_batch_size(engine: LlamaEngine, limit: int, cache_dir: str | None)
     path = _cache_path(cache_dir, key)
     try:
         verdict = ProbeVerdict.from_json(json.loads(path.read_text())["probe"])
-        return verdict.size, f"cached: {verdict.describe()}"
+        how = f"cached: {verdict.describe()}"
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    verdict = engine.probe_invariance(limit)
-    _remember(path, {"probe": verdict.to_json()})
-    return verdict.size, f"checked: {verdict.describe()}"
+        verdict = engine.probe_invariance(limit)
+        _remember(path, {"probe": verdict.to_json()})
+        how = f"checked: {verdict.describe()}"
+    return BatchVerdict(verdict.size, how, verdict.horizon, verdict.n_ctx, not verdict.complete)
 
 
 def worker_kernels(settings: Settings) -> KernelChoice:
