@@ -55,3 +55,28 @@ def test_passwords_never_reach_output() -> None:
     shown = redact("redis+sentinel://:pw@h1:26379,h2/mymaster/0?sentinel_password=sp")
     assert shown == "redis+sentinel://:***@h1:26379,h2/mymaster/0?sentinel_password=***"
     assert redact("redis://h/0?password=pw&db=1") == "redis://h/0?password=***&db=1"
+
+
+class _Info:
+    """A client whose INFO says ``version`` (or refuses INFO)."""
+
+    def __init__(self, version: str | None) -> None:
+        self.version = version
+
+    def info(self, section: str) -> dict[str, str]:
+        import redis
+
+        if self.version is None:
+            raise redis.ResponseError("ERR unknown command 'INFO'")
+        return {"redis_version": self.version}
+
+
+def test_a_redis_older_than_6_2_is_refused_with_what_to_do() -> None:
+    from jobs.store.connect import too_old
+
+    said = too_old(_Info("6.0.16"))
+    assert said is not None and "6.0.16 is too old" in said and "6.2 or newer" in said
+    for fine in ("6.2.14", "7.0.15", "7.2.4", "8.0.0"):
+        assert too_old(_Info(fine)) is None
+    assert too_old(_Info(None)) is None  # INFO renamed away: cannot tell, not refused
+    assert too_old(_Info("unstable")) is None
