@@ -75,6 +75,8 @@ class _Fault:
     reply: bytes = b""
     until: float = 0.0
     hits: dict[str, int] = field(default_factory=dict)
+    #: Refusals by the connection's CLIENT SETNAME ("?" when it set none).
+    clients: dict[str, int] = field(default_factory=dict)
 
 
 async def _read_value(reader: asyncio.StreamReader) -> bytes:
@@ -151,6 +153,11 @@ class FaultProxy:
         with self._lock:
             return dict(self.fault.hits)
 
+    def refused_clients(self) -> dict[str, int]:
+        """The refusals of the last fault, by the client's CLIENT SETNAME."""
+        with self._lock:
+            return dict(self.fault.clients)
+
     def __enter__(self) -> FaultProxy:
         client = redis.Redis(port=self.upstream)
         try:
@@ -182,7 +189,7 @@ class FaultProxy:
             fault = self.fault
         return fault if fault.target is not None and time.monotonic() < fault.until else None
 
-    def _refused(self, words: list[bytes]) -> bytes | None:
+    def _refused(self, words: list[bytes], client: str = "?") -> bytes | None:
         """The error reply for this command under the fault now in force, if any."""
         fault = self._active()
         if fault is None or fault.target == "drop" or not words:
@@ -200,6 +207,7 @@ class FaultProxy:
         with self._lock:
             key = name.decode()
             fault.hits[key] = fault.hits.get(key, 0) + 1
+            fault.clients[client] = fault.clients.get(client, 0) + 1
         return fault.reply
 
     async def _listen(self) -> None:
@@ -238,26 +246,32 @@ class FaultProxy:
         up_w: asyncio.StreamWriter,
     ) -> None:
         in_multi = aborted = False
+        client = "?"  # its CLIENT SETNAME, for hits()
         while True:
             raw = await _read_value(client_r)
             words = _command(raw)
             name = words[0].upper() if words else b""
+            if words[:2] and [w.upper() for w in words[:2]] == [b"CLIENT", b"SETNAME"]:
+                client = words[2].decode(errors="replace") if len(words) > 2 else "?"
+            refusal = self._refused(words, client)
             if in_multi and name in (b"EXEC", b"DISCARD"):
                 in_multi = False
-                if aborted:
-                    aborted = False
+                if aborted or refusal is not None:
+                    # The transaction is discarded upstream, never left open.
                     up_w.write(b"*1\r\n$7\r\nDISCARD\r\n")
                     await up_w.drain()
                     await _read_value(up_r)
-                    if name == b"EXEC":
+                    if name == b"DISCARD":
+                        client_w.write(b"+OK\r\n")
+                    elif refusal is not None:
+                        client_w.write(refusal)
+                    else:
                         client_w.write(
                             b"-EXECABORT Transaction discarded because of previous errors.\r\n"
                         )
-                    else:
-                        client_w.write(b"+OK\r\n")
+                    aborted = False
                     await client_w.drain()
                     continue
-            refusal = self._refused(words)
             if refusal is not None:
                 aborted = aborted or in_multi
                 client_w.write(refusal)
@@ -315,6 +329,7 @@ class StaleSentinel:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
 
     def __enter__(self) -> StaleSentinel:
         async def listen() -> None:
@@ -328,6 +343,12 @@ class StaleSentinel:
         async def stop() -> None:
             if self._server is not None:
                 self._server.close()
+            for writer in list(self._writers):
+                writer.transport.abort()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -342,6 +363,7 @@ class StaleSentinel:
         return b"*%d\r\n%s" % (2 * len(fields), body)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
         try:
             while True:
                 words = [w.upper() for w in _command(await _read_value(reader))]
@@ -357,4 +379,5 @@ class StaleSentinel:
         except (OSError, asyncio.IncompleteReadError, ValueError, IndexError):
             pass
         finally:
+            self._writers.discard(writer)
             writer.transport.abort()

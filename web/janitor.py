@@ -68,37 +68,46 @@ def compact_ended(store: Store, replay_seconds: int, seconds: float = SWEEP_SECO
     """Keep the results of the finished jobs that ended, then let their events
     expire after ``replay_seconds``, until none is left or ``seconds`` have
     passed; how many were done. A job's events expire only once its result is
-    written (they are its only copy until then), so a Redis that refuses
-    writes (maxmemory: OOM, any error reply) stops the sweep with that job
-    still listed; the janitor backs off and tries again. A job whose result
-    cannot be made (its own data) is logged and its events expire all the
-    same."""
+    written (they are its only copy until then): a job whose result Redis
+    refuses to take (maxmemory: OOM, any error reply) stays listed, events
+    untouched, for the next sweep, and the others go on (their expiry frees
+    memory even while Redis refuses writes); each is tried once a sweep. A
+    job whose result cannot be made (its own data) is logged and its events
+    expire all the same. Redis gone (a connection error) ends the sweep."""
     k = store.keys
-    done, end = 0, time.monotonic() + seconds
+    done, kept, end = 0, 0, time.monotonic() + seconds
     while time.monotonic() < end:
-        ids = [as_text(raw) for raw in store.r.zrange(k.ended, 0, SWEEP - 1)]
+        ids = [as_text(raw) for raw in store.r.zrange(k.ended, kept, kept + SWEEP - 1)]
         if not ids:
             break
         for job_id in ids:
-            _compact(store, job_id, replay_seconds)  # a Redis error ends the sweep
-            store.r.zrem(k.ended, job_id)
-            done += 1
+            if _compact(store, job_id, replay_seconds):
+                store.r.zrem(k.ended, job_id)
+                done += 1
+            else:
+                kept += 1  # (left listed: the next page starts past it)
         if len(ids) < SWEEP:
             break
     return done
 
 
-def _compact(store: Store, job_id: str, replay_seconds: int) -> None:
+def _compact(store: Store, job_id: str, replay_seconds: int) -> bool:
+    """Keep one ended job's result and shorten its events' life; False when
+    Redis refused the result (the job stays listed, its events as they were)."""
     k = store.keys
     try:
         _keep_result(store, job_id)
-    except redis.RedisError:
-        raise
+    except (redis.ConnectionError, redis.TimeoutError):
+        raise  # Redis gone: the sweep ends
+    except redis.RedisError as exc:
+        log.warning("job %s: its result was not kept (%s); tried again later", job_id, exc)
+        return False
     except Exception:
         log.exception("job %s: could not keep its result", job_id)
     ttl = int(store.r.ttl(k.events(job_id)))
     if ttl == -1 or ttl > replay_seconds:
         store.r.expire(k.events(job_id), replay_seconds)
+    return True
 
 
 def _keep_result(store: Store, job_id: str) -> None:

@@ -34,6 +34,10 @@ def frame(seq: int | str, data: str) -> bytes:
 
 #: How often an idle stream checks that its client is still connected.
 GONE_CHECK_SECONDS = 0.5
+#: How long a stream waits for Redis to answer again before it gives up (the
+#: client reconnects with Last-Event-ID; a waiting non-streamed request gets a
+#: 503): longer than a failover or a restart takes.
+OUTAGE_SECONDS = 120.0
 
 
 def client_gone(sock: socket.socket | None) -> bool:
@@ -71,8 +75,7 @@ class Reading:
     def __init__(self, store: Store, job_ids: list[str], keepalive: float) -> None:
         self.store, self.job_ids = store, job_ids
         self.token = secrets.token_hex(8)
-        #: Several renewals fit in one lease, whatever the keep-alive period.
-        self.lease = max(60.0, 4 * keepalive)
+        self.lease = store.lease_seconds()
         self._renew_at = 0.0
 
     def hold(self, now: float) -> None:
@@ -81,11 +84,11 @@ class Reading:
             self.store.lease(job_id, self.token, now + self.lease, now)
         self._renew_at = time.monotonic() + self.lease / 4
 
-    def renew(self) -> None:
-        """Renew the leases when a quarter of one has passed; a failure is
-        logged and tried again at the next call (the stream's own reads say
-        whether Redis is gone)."""
-        if time.monotonic() < self._renew_at:
+    def renew(self, force: bool = False) -> None:
+        """Renew the leases when a quarter of one has passed (``force``: now); a
+        failure is logged and tried again at the next call (the stream's own
+        reads say whether Redis is gone)."""
+        if not force and time.monotonic() < self._renew_at:
             return
         try:
             self.hold(time.time())
@@ -156,7 +159,7 @@ def merged(
     try:
         reading.hold(time.time())  # inside the try: a hold that fails is given back too
         stale = set(open_)  # jobs whose stored events may hold some not yet yielded
-        failures = 0
+        failures, failing_since = 0, None
         while open_:
             try:
                 for i in sorted(stale & open_):
@@ -188,16 +191,25 @@ def merged(
                                 yield i, seq, data  # the client has it: the end, for merged readers
             except redis.RedisError as exc:
                 # Redis down, failing over or refusing (any error reply): the
-                # stream stays open (keep-alives) and reads again once it answers.
+                # stream stays open (keep-alives) and reads again once it
+                # answers; past OUTAGE_SECONDS the error is raised (a stream
+                # ends, the client reconnects; a waiting request gets a 503).
                 failures += 1
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > OUTAGE_SECONDS:
+                    raise
                 log.warning("jobs %s: events not read (%s); retrying",
                             ",".join(job_ids), exc)  # fmt: skip
                 if gone is not None and gone():
                     return
-                time.sleep(min(2.0, 0.05 * 2**failures))
+                time.sleep(min(2.0, 0.05 * 2 ** min(failures, 6)))
                 yield None
                 continue
-            failures = 0
+            if failing_since is not None:
+                # Back: the leases are renewed before anyone can take the
+                # readers for gone (a worker compares them with the time).
+                reading.renew(force=True)
+            failures, failing_since = 0, None
             stale = set()
             deadline = time.monotonic() + keepalive
             while open_ and not stale:

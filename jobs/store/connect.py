@@ -35,6 +35,7 @@ import logging
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote
@@ -155,14 +156,20 @@ class StoreCheck:
         """Raise ConnectionError unless ``conn``'s server is the primary and holds
         the store id this process has seen (see the module's docstring)."""
         where = f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
-        conn.send_command("ROLE")
-        role = conn.read_response()
-        kind = role[0] if isinstance(role, list) and role else b""
+        try:
+            conn.send_command("ROLE")
+            role = conn.read_response()
+        except redis.exceptions.NoPermissionError:
+            role = None  # an ACL user without @admin: the store id must tell
+        kind = role[0] if isinstance(role, list) and role else b"master"
         if (kind.decode() if isinstance(kind, bytes) else str(kind)) != "master":
             raise redis.ConnectionError(f"Redis at {where} is not the primary (ROLE: {kind!r})")
         if self.key is None:
             return
-        held = _get(conn, self.key)
+        try:
+            held = _get(conn, self.key)
+        except redis.exceptions.NoPermissionError:
+            return  # an ACL that hides the key: nothing to check it with
         if held is None and self.seen is None:  # a new deployment: its id, once
             conn.send_command("SET", self.key, secrets.token_hex(16), "NX")
             conn.read_response()
@@ -213,11 +220,20 @@ class _NewestSentinel(Sentinel):  # type: ignore[misc]
     def discover_master(self, service_name: str) -> tuple[str, int]:
         best: tuple[int, tuple[str, int]] | None = None
         errors = []
-        for sentinel in self.sentinels:
+
+        def ask(sentinel: redis.Redis) -> Any:
             try:
-                masters = sentinel.sentinel_masters()
+                return sentinel.sentinel_masters()
             except (redis.ConnectionError, redis.ResponseError, redis.TimeoutError) as exc:
-                errors.append(f"{sentinel}: {exc!r}")
+                return exc
+
+        # All at once: one that does not answer costs its timeout once, not
+        # once per sentinel before it.
+        with ThreadPoolExecutor(max_workers=len(self.sentinels)) as pool:
+            answers = list(pool.map(ask, self.sentinels))
+        for sentinel, masters in zip(self.sentinels, answers, strict=True):
+            if isinstance(masters, Exception):
+                errors.append(f"{sentinel}: {masters!r}")
                 continue
             state = masters.get(service_name)
             if state and self.check_master_state(state, service_name):

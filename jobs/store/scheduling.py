@@ -418,6 +418,11 @@ class Store:
         k = self.keys
         self._run("reader", [k.job(job_id), k.readers(job_id)], ["", 0, repr(now), delta])
 
+    def lease_seconds(self) -> float:
+        """How long a stream reader's lease lasts past its last renewal: several
+        renewals fit in one, whatever the keep-alive period."""
+        return max(60.0, 4 * self.settings.keepalive_seconds)
+
     def lease(self, job_id: str, token: str, until: float, now: float) -> None:
         """Stream reader ``token`` reads the job until ``until`` (attach or renew),
         or (``until`` 0) has left. Idempotent: a call that failed or whose answer

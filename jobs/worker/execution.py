@@ -27,6 +27,7 @@ from redis.retry import Retry
 from jobs.engine.llama import Engine, EngineError
 from jobs.engine.request import GenerationRequest
 from jobs.store.events import DONE, error_event
+from jobs.store.faults import MOVED_PRIMARY, TRANSIENT, error_code
 from jobs.store.rqjobs import RQBridge
 from jobs.store.scheduling import (
     CANCEL_EVENTS,
@@ -57,45 +58,11 @@ from scheduler.policy import PRIORITY_LEVELS, priority_label
 from scheduler.settings import Settings
 from scheduler.state import JobState
 
-__all__ = ["TRANSIENT", "WAIT", "error_code", "Executions", "Job", "Running", "Slot", "StepWriter", "Write"]
+__all__ = ["TRANSIENT", "WAIT", "Executions", "Job", "Running", "Slot", "StepWriter", "Write"]
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
-
-
-#: What a Redis call can fail with that is Redis's state, not the job's: a
-#: connection that failed or timed out (a restart, a failover, LOADING), and
-#: any error reply. Redis and Valkey refuse commands for many reasons that
-#: pass (maxmemory: OOM; a demoted or stale replica: READONLY, MASTERDOWN,
-#: UNBLOCKED; min-replicas-to-write: NOREPLICAS; a failing disk: MISCONF; a
-#: long script: BUSY; a restarted server: NOSCRIPT; TRYAGAIN) and new ones
-#: come with new versions, so no reply is listed: the worker waits each out
-#: with back-off and carries on; it never exits for one. (parkq's scripts
-#: answer with values, never with error replies; a reply that would never
-#: pass is a bug, which this makes a worker that waits and logs, not one that
-#: dies: tests/integration/test_redis_replies.py.)
-TRANSIENT: tuple[type[Exception], ...] = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    redis.ResponseError,
-)
-#: The codes of what a server answers once it is no longer the primary (or
-#: while it is becoming a replica): connect anew, to whatever is the primary.
-MOVED_PRIMARY = frozenset({"READONLY", "MASTERDOWN", "UNBLOCKED"})
-
-
-def error_code(exc: BaseException) -> str:
-    """The code of a Redis error reply (its first word, by the protocol:
-    ``NOREPLICAS``, ``READONLY``, ``ERR``); "" for anything else."""
-    if not isinstance(exc, redis.ResponseError):
-        return ""
-    word = str(exc).split(" ", 1)[0]
-    # (redis-py prefixes a pipeline's error with "Command # n (...) of pipeline
-    # caused error: "; the reply's own words follow.)
-    if word == "Command" and "caused error: " in str(exc):
-        word = str(exc).split("caused error: ", 1)[1].split(" ", 1)[0]
-    return word if word.isupper() else ""
 
 
 #: Fenced writes (steps, parks, finishes) through a Redis restart: back-off
@@ -589,15 +556,17 @@ class Executions:
         replica (its primary moved): drop the pooled connections, so the next try
         connects anew."""
         self._redis_lost_at = time.time()
-        if error_code(exc) in MOVED_PRIMARY or isinstance(
-            exc, (redis.exceptions.ReadOnlyError, redis.exceptions.MasterDownError)
-        ):
+        if error_code(exc) in MOVED_PRIMARY:
             self.store.r.connection_pool.disconnect()
 
     def _abandoned(self, level: int, detached_at: float) -> bool:
-        """An interactive job whose readers left longer ago than the grace period."""
-        grace = self.settings.disconnect_grace_seconds
-        return level > PRIORITY_LEVELS["batch"] and time.time() - detached_at > grace
+        """An interactive job whose readers left longer ago than the grace period.
+        Not within a reader's lease after this worker lost Redis: the readers
+        could not renew their leases either, and do once it answers."""
+        grace, now = self.settings.disconnect_grace_seconds, time.time()
+        if now - self._redis_lost_at < self.store.lease_seconds():
+            return False
+        return level > PRIORITY_LEVELS["batch"] and now - detached_at > grace
 
     def _end(self, job: Job, outcome: Outcome) -> None:
         job_id, claim, gen = job.job_id, job.claim, job.gen

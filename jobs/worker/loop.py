@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import redis
@@ -33,6 +33,7 @@ from redis.backoff import ExponentialBackoff
 
 from jobs.engine.llama import Engine, EngineError
 from jobs.store.batches import BatchStore
+from jobs.store.faults import passes
 from jobs.store.identity import ModelIdentity
 from jobs.store.rqjobs import RQBridge
 from jobs.store.scheduling import (
@@ -41,9 +42,18 @@ from jobs.store.scheduling import (
     Fenced,
     Lost,
     ReapOutcome,
+    StepCall,
     Store,
 )
-from jobs.worker.execution import NOTHING, TRANSIENT, WAIT, Executions, Running, Slot, StepWrite
+from jobs.worker.execution import (
+    NOTHING,
+    TRANSIENT,
+    WAIT,
+    Executions,
+    Running,
+    Slot,
+    StepWrite,
+)
 from jobs.worker.sequences import Sequences
 from jobs.worker.stepclock import CLOCK
 from scheduler.batching import SeqView, plan_step
@@ -353,10 +363,19 @@ class Worker(Executions):
             calls = [w.call for w in writes]
             t0 = time.perf_counter()
             try:
-                results = self._retrying(partial(self.store.steps, calls))
+                results: list[Any] = list(self._retrying(partial(self.store.steps, calls)))
+            except redis.RedisError as exc:
+                if passes(exc):
+                    raise  # Redis's state: the loop waits, the writes stay pending
+                # A reply that did not pass in the retries: one write's own? Each
+                # alone, so that only the one Redis refuses is handed back.
+                results = [self._alone(call) for call in calls]
             finally:
                 CLOCK.add("redis", time.perf_counter() - t0)
             for r, write, result in zip(pending, writes, results, strict=True):
+                if isinstance(result, Exception):
+                    self._deliver(r, result)  # handed back, counted as a crash
+                    continue
                 if isinstance(result, Fenced | Diverged | Lost):
                     self._deliver(r, result)
                     continue
@@ -366,6 +385,16 @@ class Worker(Executions):
                     self._deliver(r, exc)
                     continue
                 self._deliver(r, flags)
+
+    def _alone(self, call: StepCall) -> Any:
+        """One step write on its own: its result, or the error Redis answered it
+        with (an error that passes is raised: the loop waits it out)."""
+        try:
+            return self.store.steps([call])[0]
+        except redis.RedisError as exc:
+            if passes(exc):
+                raise
+            return exc
 
     def _call_of(self, r: Running) -> Callable[[], list[np.ndarray]]:
         """``r``'s pending engine call, alone (a prefill chunk)."""
@@ -427,7 +456,7 @@ class Worker(Executions):
             # Redis holds, never from it (else every resume would find the same hole).
             self.kv.drop(r.job_id)
             back = Returning(r.slot, crash=False)
-        elif isinstance(exc, TRANSIENT):
+        elif passes(exc):
             # Not the job's fault: requeued without counting against its crash limit.
             log.warning("job %s: Redis failed under it (%s); it goes back to the queue",
                         r.job_id, exc)  # fmt: skip

@@ -218,6 +218,7 @@ def test_a_primary_without_the_store_id_is_refused_until_the_grace_ends(
     assert time.monotonic() - t0 >= 2.0
     assert any("data is lost" in r.getMessage() for r in caplog.records)
     client.close()
+    client.connection_pool.sentinel_manager.close()  # (its sentinel clients)
 
 
 def test_a_server_that_is_not_the_primary_is_never_used(sentinels: Sentinels) -> None:
@@ -231,3 +232,4 @@ def test_a_server_that_is_not_the_primary_is_never_used(sentinels: Sentinels) ->
         with pytest.raises(redis.ConnectionError, match="not the primary"):
             client.get("anything")
         client.close()
+    client.connection_pool.sentinel_manager.close()  # (its sentinel clients)
