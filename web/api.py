@@ -10,7 +10,6 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from jobs.engine.prompts import chat_ids
 from jobs.engine.request import GenerationRequest
 from jobs.store.batches import BatchStore
 from jobs.store.identity import ModelIdentity
@@ -23,7 +22,7 @@ from web.errors import (
     NotFound,
     TooManyRequests,
 )
-from web.intake import chat_job, check_model, completion_job, priority, read_body
+from web.intake import chat_job, check_model, completion_job, priority, prompt_ids, read_body
 from web.responses import ClientGone, aggregate, assemble, result_of, stream, usage_of
 from web.runtime import Fleet, current
 from web.schemas import (
@@ -205,11 +204,7 @@ def tokenize() -> Any:
     if (req.text is None) == (req.messages is None):
         raise BadRequest("Give exactly one of 'text' and 'messages'.")
     if req.messages is not None:
-        messages = [m.as_template_input() for m in req.messages]
-        try:
-            ids, _ = chat_ids(runtime.vocab, messages)
-        except ValueError as exc:
-            raise BadRequest(str(exc), param="messages") from None
+        ids, _ = prompt_ids(runtime.vocab, [m.as_template_input() for m in req.messages])
     else:
         ids = runtime.vocab.tokenize(req.text or "", add_bos=False, special=False)
     return jsonify({"tokens": ids, "count": len(ids), "context_length": runtime.n_ctx})
@@ -303,6 +298,13 @@ def job_status(job_id: str) -> Any:
     records = [store.get(j) or {} for j in jobs]
     if jobs == [job_id]:
         return jsonify(_status(job_id, records[0]))
+    gone = [i for i, record in enumerate(records) if not record.get("state")]
+    if gone:
+        ttl = current().settings.result_ttl
+        raise Gone(
+            f"The record of choice {gone[0]} of job '{job_id}' has expired (a job's record is "
+            f"kept {ttl} s after it ends): the job's state is no longer known."
+        )
     choices = [_status(j, r) for j, r in zip(jobs, records, strict=True)]
     body = {
         "id": job_id,

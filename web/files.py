@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from flask import Blueprint, Response, jsonify, request
@@ -12,9 +13,26 @@ from web.errors import BadRequest, NotFound, PayloadTooLarge
 from web.runtime import current
 from web.tenants import caller, sees
 
-__all__ = ["batch_store", "bp", "file_meta"]
+__all__ = ["JSON_SPACE", "batch_store", "bp", "file_meta", "jsonl_lines"]
 
 bp = Blueprint("files", __name__)
+
+
+#: What JSON counts as whitespace (RFC 8259): a line of only these is blank.
+JSON_SPACE = " \t\r\n"
+
+
+def jsonl_lines(content: bytes) -> Iterator[tuple[int, str]]:
+    """The lines of a JSON Lines file that are not blank, each with its number
+    (from 1, blank lines counted). The file is UTF-8 (UnicodeDecodeError if not;
+    a BOM at its start is dropped) and split at "\\n" only, a "\\r" before it
+    dropped: U+2028, U+0085, a form feed and the like are characters of a line,
+    as JSON strings may hold them raw (``str.splitlines`` splits at them). A
+    last line needs no newline."""
+    text = content.decode("utf-8-sig")
+    for n, line in enumerate(text.split("\n"), start=1):
+        if line.strip(JSON_SPACE):
+            yield n, line.removesuffix("\r")
 
 
 def batch_store() -> BatchStore:
@@ -46,10 +64,9 @@ def upload_file() -> Any:
     if len(content) > limit:
         raise PayloadTooLarge(f"The file is larger than the limit of {limit} bytes.")
     try:
-        text = content.decode("utf-8")
+        lines = sum(1 for _ in jsonl_lines(content))
     except UnicodeDecodeError:
         raise BadRequest("The file is not valid UTF-8 text.", param="file") from None
-    lines = sum(1 for line in text.splitlines() if line.strip())
     max_lines = current().settings.batch_max_lines
     if lines == 0:
         raise BadRequest("The file holds no requests (one JSON object per line).", param="file")

@@ -16,7 +16,7 @@ from jobs.engine.constraints import (
     grammar_for_json_schema,
     grammar_for_tool_calls,
 )
-from jobs.engine.prompts import chat_ids
+from jobs.engine.prompts import ChatVocab, TemplateError, chat_ids
 from jobs.engine.request import GenerationRequest
 from jobs.engine.sampling import SamplingParams
 from scheduler.policy import priority_level
@@ -28,7 +28,9 @@ __all__ = [
     "chat_job",
     "check_model",
     "completion_job",
+    "parse_json",
     "priority",
+    "prompt_ids",
     "read_body",
     "unencodable",
 ]
@@ -71,12 +73,56 @@ def check_text(value: Any) -> Any:
     return value
 
 
+#: Deepest nesting of arrays and objects a body may have (OpenAI's request
+#: schemas go a few levels deep; a JSON schema in ``response_format`` or a
+#: tool's parameters some more).
+MAX_DEPTH = 64
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def depth_over(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether ``value`` nests arrays and objects more than ``limit`` deep
+    (checked without recursion)."""
+    level: list[tuple[Any, int]] = [(value, 1)]
+    while level:
+        item, depth = level.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return True
+            level.extend((child, depth + 1) for child in children)
+    return False
+
+
+def parse_json(data: bytes | str) -> Any:
+    """JSON as RFC 8259 has it (no NaN or Infinity), nested at most MAX_DEPTH
+    deep; ValueError otherwise."""
+    try:
+        value = json.loads(data, parse_constant=_not_json)
+    except RecursionError:  # nested past the interpreter's stack
+        raise ValueError(f"nested more than {MAX_DEPTH} levels deep") from None
+    if depth_over(value):
+        raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
+    return value
+
+
 def read_body() -> Any:
     try:
-        body = json.loads(request.get_data(cache=False))
-    except (ValueError, UnicodeDecodeError):
-        raise BadRequest("The request body is not valid JSON.") from None
+        body = parse_json(request.get_data(cache=False))
+    except UnicodeDecodeError:
+        raise BadRequest("The request body is not valid JSON (nor UTF-8 text).") from None
+    except ValueError as exc:
+        raise BadRequest(f"The request body is not valid JSON: {_head(exc)}.") from None
     return check_text(body)
+
+
+def _head(exc: Exception) -> str:
+    """The first line of an error's message, shortened."""
+    text = str(exc).split("\n", 1)[0]
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def priority(req: _Common) -> int:
@@ -121,13 +167,14 @@ def _sampling(req: _Common) -> SamplingParams:
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[str, float]:
+    """The biases by token id; the keys are ASCII digits (web/schemas.py)."""
     n_vocab = current().vocab.n_vocab
     for token in bias or {}:
-        if int(token) >= n_vocab:
+        if int(token, 10) >= n_vocab:
             raise BadRequest(
                 f"logit_bias names token {token}; the vocabulary has {n_vocab}", param="logit_bias"
             )
-    return {str(int(k)): float(v) for k, v in (bias or {}).items() if v}
+    return {str(int(k, 10)): float(v) for k, v in (bias or {}).items() if v}
 
 
 def _grammar(req: _Common) -> str | None:
@@ -192,15 +239,27 @@ def _tool_grammar(req: ChatRequest) -> str | None:
         raise BadRequest(f"Invalid tools: {exc}", param="tools") from None
 
 
+def prompt_ids(
+    vocab: ChatVocab, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> tuple[list[int], list[str]]:
+    """The chat prompt's token ids and stop strings; a 400 when the chat template
+    cannot render the messages (or tools) it was given."""
+    try:
+        return chat_ids(vocab, messages, tools)
+    except TemplateError as exc:
+        raise BadRequest(str(exc), param="messages", code="chat_template_error") from None
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="messages") from None
+
+
 def chat_job(req: ChatRequest) -> GenerationRequest:
     runtime = current()
     messages = [m.as_template_input() for m in req.messages]
     tools = None if req.tool_choice == "none" else req.tools
+    if tools:
+        _functions(tools)  # the shape a template reads, checked before it renders them
     grammar = _tool_grammar(req) or _grammar(req)
-    try:
-        ids, template_stops = chat_ids(runtime.vocab, messages, tools)
-    except ValueError as exc:
-        raise BadRequest(str(exc), param="messages") from None
+    ids, template_stops = prompt_ids(runtime.vocab, messages, tools)
     top = req.top_logprobs or 0
     if top and not req.logprobs:
         raise BadRequest("top_logprobs requires logprobs=true", param="top_logprobs")

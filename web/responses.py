@@ -14,7 +14,7 @@ from jobs.engine.request import GenerationRequest
 from jobs.store.events import DONE
 from jobs.store.scheduling import Store
 from web import sse
-from web.errors import APIError, Conflict
+from web.errors import APIError, Conflict, Gone
 from web.runtime import current
 
 __all__ = ["ClientGone", "aggregate", "assemble", "result_of", "stream", "usage_of"]
@@ -104,27 +104,16 @@ class ClientGone(Exception):
     """The client of a non-streamed request left before its answer was whole."""
 
 
-def _collect(job_id: str, gone: Callable[[], bool]) -> list[dict[str, Any]]:
-    runtime = current()
-    chunks: list[dict[str, Any]] = []
-    done = False
-    for item in sse.events(runtime.store, job_id, 0, runtime.settings.keepalive_seconds, gone):
-        if item is None:
-            continue
-        if item[1] == DONE:
-            done = True
-            continue
-        chunk = json.loads(item[1])
-        if "error" in chunk:
-            err = chunk["error"]
-            exc: APIError = Conflict(err["message"], code=err["code"])
-            if err.get("type") != "cancelled":
-                exc = APIError(err["message"], code=err["code"])
-            raise exc
-        chunks.append(chunk)
-    if not done:
-        raise ClientGone(job_id)
-    return chunks
+#: The code of the error event a reader gets where a job's events expired
+#: before it read them (web/sse.py): its result is in its record.
+EXPIRED = "expired"
+
+
+def _failure(error: dict[str, Any]) -> APIError:
+    """The answer of a non-streamed request one of whose jobs ended in ``error``."""
+    if error.get("type") == "cancelled":
+        return Conflict(error["message"], code=error["code"])
+    return APIError(error["message"], code=error["code"])
 
 
 def result_of(store: Store, job_id: str, record: dict[str, str]) -> dict[str, Any] | None:
@@ -171,19 +160,48 @@ def aggregate(response_id: str, jobs: list[str], gen: GenerationRequest) -> dict
 def _aggregate(
     response_id: str, jobs: list[str], gen: GenerationRequest, gone: Callable[[], bool]
 ) -> dict[str, Any]:
-    store = current().store
-    choices: list[dict[str, Any]] = []
-    for i, job_id in enumerate(jobs):
-        try:
-            chunks = _collect(job_id, gone)
-        except APIError:
+    """Every choice's chunks, read together as they come (one reader over all of
+    them, as a stream has), then assembled; a choice whose events expired before
+    they were read (it ended long before its siblings and the janitor compacted
+    it) is answered from its kept result."""
+    runtime = current()
+    store = runtime.store
+    chunks: list[list[dict[str, Any]]] = [[] for _ in jobs]
+    unread: set[int] = set()
+    done: set[int] = set()
+    keepalive = runtime.settings.keepalive_seconds
+    for item in sse.merged(store, jobs, [0] * len(jobs), keepalive, gone):
+        if item is None:
+            continue
+        i, _, data = item
+        if data == DONE:
+            done.add(i)
+            continue
+        chunk = json.loads(data)
+        if "error" not in chunk:
+            chunks[i].append(chunk)
+        elif chunk["error"].get("code") == EXPIRED:
+            unread.add(i)
+        else:
             store.cancel_live(jobs, time.time())
-            raise
-        record = store.get(job_id) or {}
-        usage = json.loads(record.get("usage", "null"))
-        choices.extend(assemble(response_id, gen, chunks, usage, i)["choices"])
-    body = assemble(response_id, gen, [], None)
+            raise _failure(chunk["error"])
+    if len(done) < len(jobs):
+        raise ClientGone(response_id)
     records = [store.get(job_id) or {} for job_id in jobs]
+    choices: list[dict[str, Any]] = []
+    for i, (job_id, record) in enumerate(zip(jobs, records, strict=True)):
+        if i not in unread:
+            usage = json.loads(record.get("usage") or "null")
+            choices.extend(assemble(response_id, gen, chunks[i], usage, i)["choices"])
+            continue
+        kept = result_of(store, job_id, record) if record else None
+        if kept is None:
+            raise Gone(
+                f"The result of choice {i} of '{response_id}' expired before the other "
+                "choices ended."
+            )
+        choices.extend({**c, "index": i} for c in kept["choices"])
+    body = assemble(response_id, gen, [], None)
     return {**body, "choices": choices, "usage": usage_of(records)}
 
 

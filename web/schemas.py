@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -23,6 +24,8 @@ M = TypeVar("M", bound=BaseModel)
 MAX_STOP = 4
 MAX_CHOICES = 16
 MAX_STOP_LEN = 256
+#: A token id as a key of ``logit_bias``: ASCII digits, at most 9 of them.
+_TOKEN_ID = re.compile(r"[0-9]{1,9}", re.ASCII)
 
 
 class StreamOptions(BaseModel):
@@ -93,8 +96,12 @@ class _Common(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v and not all(k.isdigit() and len(k) <= 9 for k in v):
-            raise ValueError("keys must be token ids (non-negative integers as strings)")
+        # ASCII digits only: str.isdigit() and int() also take '²' or '٣'.
+        bad = next((k for k in v or {} if not _TOKEN_ID.fullmatch(k)), None)
+        if bad is not None:
+            raise ValueError(
+                f"keys must be token ids (0 to 999999999, in ASCII digits); {bad[:20]!r} is not one"
+            )
         if v and len(v) > 300:
             raise ValueError("at most 300 token biases are allowed")
         return v
@@ -120,10 +127,33 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    """The function of an earlier tool call: its name and its arguments (a JSON
+    text, as the model wrote it)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A tool call of an earlier assistant message, as OpenAI's response gave it."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
+    """A chat message; fields beyond these are passed to the chat template as they are."""
+
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         d = self.model_dump(exclude_none=True)

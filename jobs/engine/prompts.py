@@ -37,13 +37,38 @@ import re
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-__all__ = ["Spellings", "chat_ids", "spellings"]
+__all__ = ["ChatVocab", "Spellings", "TemplateError", "chat_ids", "spellings"]
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters: markers around client text
 # A marker as written into the prompt, or as a template's JSON (``tojson``) writes it.
 _MARK = re.compile(
     r"(?:\ue000|\\ue000)(\d+)(?:\ue000|\\ue000)|(?:\ue001|\\ue001)(\d+)(?:\ue001|\\ue001)"
 )
+
+
+class TemplateError(ValueError):
+    """The chat template failed on the request's messages or tools (a field of
+    a type or shape it did not expect, a ``raise_exception`` of its own): the
+    request's fault, since the same template renders well-formed requests."""
+
+
+def _render(
+    vocab: ChatVocab, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> tuple[str, list[str]]:
+    """``vocab.chat_prompt``, any error of the template's a :class:`TemplateError`.
+
+    Whatever a template raises on a client's data (jinja2's UndefinedError or
+    TemplateError, a TypeError of a filter, ...) is caught, not a list of the
+    ones seen so far; only running out of memory is not the request's fault."""
+    try:
+        return vocab.chat_prompt(messages, tools)
+    except MemoryError:
+        raise
+    except Exception as exc:
+        text = str(exc).split("\n", 1)[0][:300]
+        raise TemplateError(
+            f"the chat template could not render the messages: {type(exc).__name__}: {text}"
+        ) from exc
 
 
 class ChatVocab(Protocol):
@@ -120,7 +145,7 @@ def chat_ids(
     Raises ValueError when the template cannot render the messages, or renders
     a client's text in a way that cannot be told apart from its own.
     """
-    prompt, stops = vocab.chat_prompt(messages, tools)
+    prompt, stops = _render(vocab, messages, tools)
     spell = spellings(vocab.control_texts())
     request = {"messages": messages, "tools": tools}
     if not any(spell.risky(text) for text in _texts(request)):
@@ -236,7 +261,7 @@ def _segments(
         )
     for trim in (False, True):
         marked = _marked(request, spell, trim, [0])
-        rendered, _ = vocab.chat_prompt(marked["messages"], marked["tools"])
+        rendered, _ = _render(vocab, marked["messages"], marked["tools"])
         if _MARK.sub("", rendered) != prompt:
             continue
         pieces = _split(rendered)
