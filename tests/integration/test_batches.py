@@ -316,3 +316,23 @@ def test_parkq_batch_with_a_schema_gives_each_document_a_valid_object(
     bad = _parkq_batch(folder, "--url", small, "--out", out, "--schema", broken)
     assert bad.returncode != 0
     assert "Invalid type" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_file_as_producers_write_it_with_one_refused_line(
+    client: openai.OpenAI, tmp_path: Path
+) -> None:
+    """A BOM, CRLF, a raw U+2028 inside a string (JSON.stringify's), no last
+    newline, and one line the endpoint refuses (a logit_bias key '²', once a
+    failed batch): 3 lines run, the refused one is one error line."""
+    good = [_line(f"q-{i}", f"Question\u2028{i}\u2029", temperature=0) for i in range(3)]
+    good = [json.dumps(json.loads(x), ensure_ascii=False) for x in good]
+    bad = _line("bias", "Hi", logit_bias={"²": 1})
+    path = tmp_path / "producer.jsonl"
+    path.write_bytes(("\ufeff" + "\r\n".join([good[0], bad, good[1], "", good[2]])).encode())
+    done = _wait_batch(client, _run_batch(client, path).id)
+    assert done.status == "completed", done
+    assert (done.request_counts.total, done.request_counts.completed) == (4, 3)
+    out = [json.loads(x) for x in client.files.content(done.output_file_id).text.split("\n") if x]
+    assert [x["custom_id"] for x in out] == ["q-0", "q-1", "q-2"]
+    errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.split("\n") if x]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("bias", "invalid_request")]
