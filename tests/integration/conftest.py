@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
@@ -18,6 +19,9 @@ import requests
 
 from jobs.engine.testmodel import write_test_model
 from tests.conftest import fresh_port
+
+if TYPE_CHECKING:
+    from tests.integration.test_sentinel import Sentinels
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -122,3 +126,16 @@ def server(redis_server, tiny_model: Path) -> Iterator[Server]:
     proc, base = start_parkq(tiny_model, redis_server.url, env=TEST_ENV)
     yield Server(base, redis_server.url, proc)
     stop_parkq(proc)
+
+
+@pytest.fixture
+def sentinels(tmp_path: Path) -> Iterator[Sentinels]:
+    """A primary, its replica and three sentinels (tests/integration/test_sentinel.py)."""
+    from tests.integration.test_sentinel import Sentinels
+
+    s = Sentinels(tmp_path / "redis")
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()  # whatever started, also when the start failed

@@ -185,16 +185,6 @@ def test_two_failovers_with_the_old_primary_back_at_once_lose_nothing(
         lagging.__exit__()
 
 
-@pytest.fixture
-def sentinels(tmp_path: Path) -> Iterator[Sentinels]:
-    s = Sentinels(tmp_path / "redis")
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
-
-
 def test_a_primary_without_the_store_id_is_refused_until_the_grace_ends(
     sentinels: Sentinels, caplog: pytest.LogCaptureFixture
 ) -> None:

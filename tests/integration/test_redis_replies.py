@@ -124,13 +124,9 @@ def _check_after(p: Proxied, job_id: str, events: list[tuple[int, str]],
     wait_until(lambda: _ended_listed(p.direct_url) == 0, timeout=30)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("error", sorted(ERROR_REPLIES))
-@pytest.mark.parametrize("target", ["writes", "all"])
-def test_a_job_in_flight_finishes_through_an_error_reply(
-    p: Proxied, error: str, target: Target
-) -> None:
-    c, proxy = p.c, p.proxy
+def _reading_a_running_job(c: Cluster) -> tuple[str, threading.Thread, list[tuple[int, str]]]:
+    """A job streamed by a client that reconnects with Last-Event-ID, once it runs:
+    its id, the reading thread and the events read so far."""
     resp = submit_stream(c.base_url, BODY)
     job_id = resp.headers["X-Job-Id"]
     seen: list[tuple[int, str]] = []
@@ -140,6 +136,17 @@ def test_a_job_in_flight_finishes_through_an_error_reply(
     )
     reader.start()
     wait_until(lambda: job(c.base_url, job_id)["tokens"] >= 20, timeout=60)
+    return job_id, reader, seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("error", sorted(ERROR_REPLIES))
+@pytest.mark.parametrize("target", ["writes", "all"])
+def test_a_job_in_flight_finishes_through_an_error_reply(
+    p: Proxied, error: str, target: Target
+) -> None:
+    c, proxy = p.c, p.proxy
+    job_id, reader, seen = _reading_a_running_job(c)
     proxy.fail(target, ERROR_REPLIES[error], FAULT_SECONDS)
     statuses: list[int] = []
     _during_fault(c, statuses, time.monotonic() + FAULT_SECONDS)
@@ -171,15 +178,7 @@ def test_a_job_in_flight_finishes_through_dropped_connections(
     p: Proxied,
 ) -> None:
     c, proxy = p.c, p.proxy
-    resp = submit_stream(c.base_url, BODY)
-    job_id = resp.headers["X-Job-Id"]
-    seen: list[tuple[int, str]] = []
-    reader = threading.Thread(
-        target=lambda: seen.extend(read_with_reconnects(c.base_url, job_id, resp, 10_000)),
-        daemon=True,  # (a case that fails does not hold the session at its exit)
-    )
-    reader.start()
-    wait_until(lambda: job(c.base_url, job_id)["tokens"] >= 20, timeout=60)
+    job_id, reader, seen = _reading_a_running_job(c)
     proxy.drop(FAULT_SECONDS)
     statuses: list[int] = []
     _during_fault(c, statuses, time.monotonic() + FAULT_SECONDS)

@@ -106,16 +106,6 @@ class Sentinels:
 
 
 @pytest.fixture
-def sentinels(tmp_path: Path) -> Iterator[Sentinels]:
-    s = Sentinels(tmp_path / "redis")
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()  # whatever started, also when the start failed
-
-
-@pytest.fixture
 def stack(sentinels: Sentinels, tiny_model: Path, tmp_path: Path) -> Iterator[Cluster]:
     """`parkq web` and one slowed worker (one sequence: the short job parks the
     long one), both on the Sentinel URL."""

@@ -4,10 +4,7 @@ worker goes on with the others; a passing refusal counts as no crash."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import fakeredis
@@ -24,27 +21,8 @@ from jobs.store.scheduling import StepCall, Store
 from jobs.worker.loop import Worker
 from scheduler.settings import Settings
 from tests.fakes import FakeEngine
-
-
-@contextlib.contextmanager
-def _running(worker: Worker) -> Iterator[None]:
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    try:
-        yield
-    finally:
-        worker.stop()
-        thread.join(timeout=10)
-
-
-def _wait(store: Store, job_id: str, states: set[str]) -> dict[str, str]:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        rec = store.get(job_id)
-        if rec and rec["state"] in states:
-            return rec
-        time.sleep(0.01)
-    raise AssertionError(f"{job_id} never reached {states}: {store.get(job_id)}")
+from tests.unit.test_worker import _running
+from tests.unit.test_worker import _wait_state as _wait
 
 
 def _refused(code: str) -> redis.ResponseError:
