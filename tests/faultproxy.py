@@ -5,7 +5,9 @@ Which commands a fault hits is asked of the server itself at start (``COMMAND``
 and each command's flags), not listed here: ``writes`` are the commands flagged
 ``write`` or ``may_replicate``, and the scripts (EVAL, EVALSHA and FCALL: a
 script's writes are refused as it makes them); ``blocking`` those flagged
-``blocking`` (BLPOP, XREAD, BZPOPMIN, ...) and WAIT; ``all`` every command but
+``blocking`` (BLPOP, XREAD, BZPOPMIN, ...) and WAIT (a server before 7.0 flags
+no command ``blocking``: there the commands its documentation calls blocking,
+``_BLOCKING_BEFORE_7``); ``all`` every command but
 the connection's handshake (AUTH, HELLO, SELECT, CLIENT). A refused command
 is never forwarded; inside MULTI it is refused when queued and the EXEC then
 answers EXECABORT (the transaction discarded upstream), as Redis 7 does.
@@ -66,6 +68,19 @@ _HANDSHAKE = {b"AUTH", b"HELLO", b"SELECT", b"CLIENT", b"PING", b"QUIT", b"RESET
 #: Scripts may write whatever their flags say (Redis refuses a script's write
 #: when the script makes it; the _RO forms cannot write).
 _SCRIPTS = {b"EVAL", b"EVALSHA", b"FCALL"}
+#: The blocking commands of Redis 6.2, whose COMMAND reply has no ``blocking``
+#: flag yet (the flag came with 7.0).
+_BLOCKING_BEFORE_7 = {
+    b"BLPOP",
+    b"BRPOP",
+    b"BRPOPLPUSH",
+    b"BLMOVE",
+    b"BZPOPMIN",
+    b"BZPOPMAX",
+    b"XREAD",
+    b"XREADGROUP",
+    b"WAIT",
+}
 _PIPE_AFTER = {b"SUBSCRIBE", b"PSUBSCRIBE", b"SSUBSCRIBE", b"MONITOR"}
 
 
@@ -167,6 +182,9 @@ class FaultProxy:
                 }
         finally:
             client.close()
+        if not any(b"blocking" in flags for flags in self._flags.values()):
+            for name in _BLOCKING_BEFORE_7:
+                self._flags.setdefault(name, set()).add(b"blocking")
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(10)
         return self
