@@ -12,8 +12,8 @@ from typing import Any
 import click
 
 from jobs.engine.capacity import sequence_plan
-from jobs.engine.kernels import invariant_batch_size, worker_kernels
-from jobs.engine.llama import LlamaEngine, NotRepeatable, build_info
+from jobs.engine.kernels import exact_kernels, invariant_batch_size, worker_kernels
+from jobs.engine.llama import LlamaEngine, NotRepeatable, build_info, device_key
 from jobs.store.connect import connect
 from jobs.store.identity import identify
 from jobs.worker.loop import Worker, default_worker_name
@@ -50,6 +50,13 @@ def run_worker(settings: Settings) -> None:
         "on" if kernels.extra_buffers else "off",
         kernels.reason,
     )
+    ops = None
+    if settings.exact and settings.max_seqs > 1:
+        # Before the model loads: llama.cpp reads its kernel switches at its first
+        # matrix product in this process.
+        ops = exact_kernels(settings, settings.n_ctx,
+                            gpu=device_key(settings.n_gpu_layers) != "CPU")  # fmt: skip
+        log.info("per-op batching check: %s", ops.how)
     try:
         engine = LlamaEngine(
             settings.model or "",
@@ -66,28 +73,36 @@ def run_worker(settings: Settings) -> None:
         raise click.ClickException(f"cannot load the model {settings.model}: {exc}") from None
     log.info("llama.cpp: %s", build_info())
     log.info("model %s: %s", settings.model, engine.placement())
+    exactness = "one sequence per decode call: exact without a batching check"
+    if not settings.exact:
+        exactness = "PARKQ_EXACT=0: a sequence beside others may get other tokens than alone"
     if settings.max_seqs > 1:
-        if settings.exact:
+        if ops is not None:
             try:
-                verdict = invariant_batch_size(engine, settings.max_seqs, settings.cache_dir)
+                verdict = invariant_batch_size(engine, ops.size, settings.cache_dir)
             except NotRepeatable as exc:
                 raise click.ClickException(
                     f"llama.cpp does not repeat itself on this machine ({exc}): no park can "
                     "resume bit-exactly here. PARKQ_EXACT=0 runs without that promise."
                 ) from None
-            size, how = verdict.size, verdict.how
+            size = verdict.size
+            how = f"per-op check: {ops.how}; whole model: {verdict.how}"
             if verdict.partial:
-                # Said as what it is: a check of the first positions, not of the context.
-                log.warning(
-                    "exactness beside other sequences was checked up to position %d of %d "
-                    "only (the check's time ran out): a job past it may get other tokens "
-                    "beside others than alone; PARKQ_MAX_SEQS=1 is exact at every position",
+                # Said as what it is: the whole-model comparison stopped early.
+                log.info(
+                    "the whole-model comparison reached position %d of %d in its time; past "
+                    "it the per-op check vouches alone (each op at every width up to %d and "
+                    "every KV length up to %d)",
                     verdict.horizon,
                     verdict.n_ctx,
+                    ops.size,
+                    engine.n_ctx,
                 )
         else:
             size, how = settings.max_seqs, "PARKQ_EXACT off: any width, not checked"
         engine.plan_batching(size)
+        if settings.exact:
+            exactness = f"up to {size} sequences per decode call, each as alone: {how}"
         log.info(
             "%d sequences; one decode call takes up to %d of them (the most for which "
             "these kernels give each sequence its logits alone; %s), split as timed: %s; "
@@ -101,7 +116,7 @@ def run_worker(settings: Settings) -> None:
         )
     identity = identify(
         model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir,
-        device=engine.device,
+        device=engine.device, exactness=exactness,
     )  # fmt: skip
     name = settings.worker_name or default_worker_name()
     client = connect(

@@ -159,8 +159,10 @@ def models() -> Any:
     """This server's model, then any other model a live worker serves.
 
     parkq extensions on each entry: ``workers`` (live workers serving it),
-    ``sha256`` (the model file's digest, when known) and ``accepts_requests``
-    (whether this server tokenizes for it, so requests for it can be made here).
+    ``sha256`` (the model file's digest, when known), ``accepts_requests``
+    (whether this server tokenizes for it, so requests for it can be made here)
+    and ``exactness`` (what each distinct worker setup's batching checks
+    certified, in words).
     """
     runtime = current()
     fleet = runtime.fleet(fresh=True)
@@ -175,6 +177,7 @@ def models() -> Any:
             "workers": len(fleet.matching),
             "sha256": own.digest if own else None,
             "accepts_requests": True,
+            "exactness": sorted({m.exactness for m in fleet.matching.values() if m}),
         }
     ]
     served: dict[str, list[ModelIdentity]] = {}
@@ -191,6 +194,7 @@ def models() -> Any:
                 "workers": len(same),
                 "sha256": digest,
                 "accepts_requests": False,
+                "exactness": sorted({m.exactness for m in same}),
             }
         )
     return jsonify({"object": "list", "data": data})

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from scheduler.settings import Settings, cache_root
 
@@ -39,7 +39,9 @@ if TYPE_CHECKING:
 __all__ = [
     "BatchVerdict",
     "KernelChoice",
+    "OpChoice",
     "choose_kernels",
+    "exact_kernels",
     "invariant_batch_size",
     "peer_server_command",
     "probe_command",
@@ -234,6 +236,130 @@ def worker_kernels(settings: Settings) -> KernelChoice:
             f"batch-invariant ({choice.reason})",
         )
     return choice
+
+
+#: The op check in a child that has not answered by then counts as a check that
+#: certified nothing beyond one sequence per call.
+OPCHECK_TIMEOUT_SECONDS = 300.0
+#: The switch of llama.cpp's tiled K-quant CPU product (on by default; read once
+#: per process, at its first matrix product).
+TILED_SWITCH = "GGML_CPU_TILED_MM"
+#: The weight types llama.cpp's tiled CPU product takes (ggml-cpu/tiled/tiled.cpp).
+TILED_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+               "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OpChoice:
+    """What the per-op check (jobs/engine/opcheck.py) certified, with the kernel
+    settings the worker runs: the most sequences one call may take, for the log."""
+
+    size: int
+    how: str
+    #: Settings put into this process's environment (llama.cpp reads them there).
+    environment: dict[str, str]
+
+
+def opcheck_command(model: str, widths: int, n_ctx: int, threads: int | None,
+                    gpu: bool) -> list[str]:  # fmt: skip
+    """The per-op check in a fresh interpreter (llama.cpp reads its kernel switches
+    once per process)."""
+    cmd = [sys.executable, "-m", "jobs.engine.opcheck", model, "--widths", str(widths),
+           "--ctx", str(n_ctx), "--json"]  # fmt: skip
+    if threads:
+        cmd += ["--threads", str(threads)]
+    return [*cmd, "--gpu"] if gpu else cmd
+
+
+def _opcheck(command: Sequence[str], environment: dict[str, str], cache: Path,
+             timeout: float) -> dict[str, Any]:  # fmt: skip
+    """The check's JSON verdict, cached; an empty verdict (size 1) when it fails."""
+    try:
+        return dict(json.loads(cache.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    env = {**os.environ, **environment}
+    try:
+        done = subprocess.run(list(command), stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=timeout, check=False, env=env)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"size": 1, "error": f"the op check did not finish in {timeout:.0f} s"}
+    except OSError as exc:
+        return {"size": 1, "error": f"the op check could not start ({exc})"}
+    try:
+        verdict = dict(json.loads(done.stdout.decode().strip().splitlines()[-1]))
+        int(verdict["size"])
+    except (ValueError, IndexError, KeyError, TypeError):
+        why = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+        return {"size": 1, "error": f"the op check failed (status {done.returncode}) {why[0]}"}
+    _remember(cache, verdict)
+    return verdict
+
+
+def _described(verdict: dict[str, Any]) -> str:
+    if "error" in verdict:
+        return str(verdict["error"])
+    widths, size = int(verdict["widths"]), int(verdict["size"])
+    head = (f"{len(verdict['ops'])} ops on {verdict['device']} at every KV length up to "
+            f"{verdict['n_ctx']}")  # fmt: skip
+    if size >= widths:
+        return f"{head}: every width up to {widths} agrees with one sequence alone"
+    bad = [op for op in verdict["ops"] if op["first_differs"] == size + 1]
+    return f"{head}: widths up to {size} agree; " + "; ".join(
+        f"{op['name']} differs at width {op['first_differs']}" for op in bad
+    )
+
+
+def _tiled_culprit(verdict: dict[str, Any]) -> bool:
+    size = int(verdict.get("size", 1))
+    return any(
+        op["first_differs"] == size + 1 and op["name"].split()[:2][-1] in TILED_TYPES
+        for op in verdict.get("ops", [])
+        if op["name"].startswith("mul_mat")
+    )
+
+
+def exact_kernels(
+    settings: Settings,
+    n_ctx: int,
+    *,
+    gpu: bool,
+    timeout: float = OPCHECK_TIMEOUT_SECONDS,
+) -> OpChoice:
+    """Certify, op by op, how many sequences one decode call may take for every
+    KV length up to ``n_ctx`` (:mod:`jobs.engine.opcheck`, in a child process,
+    cached per llama.cpp build, CPU, model file, shape and kernel environment),
+    and take the CPU kernels that certify most.
+
+    llama.cpp's tiled K-quant product (from 8 columns) sums in another order than
+    its one-column product; where it is what limits the width, the check runs
+    again with it off (``GGML_CPU_TILED_MM=0``) and, if that certifies more, this
+    process runs with it off (before its first matrix product, when llama.cpp
+    reads the switch). A ``GGML_CPU_TILED_MM`` the operator set is kept."""
+    from jobs.engine.llama import build_info, device_key
+
+    limit = settings.max_seqs or 1
+    model = settings.model or ""
+    command = opcheck_command(model, limit, n_ctx, settings.n_threads, gpu)
+
+    def run(environment: dict[str, str]) -> dict[str, Any]:
+        env_line = kernel_environment() + " " + " ".join(f"{k}={v}" for k, v in environment.items())
+        shape = f"opcheck {limit} ctx {n_ctx} threads {settings.n_threads} env {env_line}"
+        key = _cache_key(model, f"{build_info()}\n{device_key(settings.n_gpu_layers)}\n{shape}")
+        return _opcheck(command, environment, _cache_path(settings.cache_dir, key), timeout)
+
+    verdict, chosen = run({}), {}
+    if (int(verdict.get("size", 1)) < limit and not gpu and TILED_SWITCH not in os.environ
+            and _tiled_culprit(verdict)):  # fmt: skip
+        off = {TILED_SWITCH: "0"}
+        without = run(off)
+        if int(without.get("size", 1)) > int(verdict.get("size", 1)):
+            log.info("the tiled K-quant product limits exact batching (%s): running without it "
+                     "(%s=0)", _described(verdict), TILED_SWITCH)  # fmt: skip
+            verdict, chosen = without, off
+            os.environ.update(off)
+    size = max(1, min(limit, int(verdict.get("size", 1))))
+    return OpChoice(size, _described(verdict), chosen)
 
 
 def _run_probe(model: str, n_gpu_layers: int | None) -> None:

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import llama_cpp
@@ -34,6 +35,8 @@ __all__ = [
     "device_key",
     "devices",
     "gpu_layers",
+    "library_dir",
+    "quantize_model",
     "reference_generate",
     "set_llama_extra_buffers",
 ]
@@ -143,6 +146,28 @@ def build_info() -> str:
     """llama.cpp's build and the CPU features it uses here (its system info line)."""
     info: bytes = llama_cpp.llama_print_system_info()
     return f"llama-cpp-python {llama_cpp.__version__}; " + info.decode(errors="replace")
+
+
+def library_dir() -> Path:
+    """The folder of the llama.cpp libraries this process loaded (``libllama.so``
+    and its ggml libraries: ``LLAMA_CPP_LIB_PATH``'s, or llama-cpp-python's own)."""
+    return Path(llama_cpp.llama_cpp._lib._name).parent
+
+
+def quantize_model(source: str | Path, target: str | Path, ftype: str = "Q4_K_M") -> Path:
+    """llama.cpp's own quantization of the model file ``source`` to ``ftype``
+    (``LLAMA_FTYPE_MOSTLY_<ftype>``: K-quant mixes such as ``Q4_K_M`` included)."""
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.allow_requantize = True
+    params.nthread = len(os.sched_getaffinity(0))
+    _quiet()
+    rc = llama_cpp.llama_model_quantize(
+        str(source).encode(), str(target).encode(), ctypes.byref(params)
+    )
+    if rc != 0:
+        raise EngineError(f"llama_model_quantize returned {rc}")
+    return Path(target)
 
 
 @dataclass(frozen=True)

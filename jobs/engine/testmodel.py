@@ -24,6 +24,7 @@ __all__ = [
     "QUANTS",
     "SHAPES",
     "Shape",
+    "write_kquant_model",
     "write_shaped_model",
     "write_test_model",
 ]
@@ -255,6 +256,20 @@ def _writer(
     w.add_add_eos_token(False)
     w.add_chat_template(chat_template)
     return w
+
+
+def write_kquant_model(path: str | Path, seed: int = 0) -> Path:
+    """The ``small`` shape quantized by llama.cpp itself to Q4_K_M: Q4_K and Q6_K
+    products, the K-quant kernels real models take (llama.cpp's tiled CPU product
+    among them, which the 64-dim test model's rows are too short for)."""
+    from jobs.engine.llama import quantize_model
+
+    path = Path(path)
+    source = write_shaped_model(path.with_suffix(".q8_0.gguf"), "small", "q8_0", seed)
+    try:
+        return quantize_model(source, path, "Q4_K_M")
+    finally:
+        source.unlink()
 
 
 def write_shaped_model(path: str | Path, shape: str, quant: str = "q8_0", seed: int = 0) -> Path:

@@ -43,6 +43,10 @@ class ModelIdentity:
     #: Where the worker computes (``CPU``, ``CUDA0 (NVIDIA H200, 140 GiB)``...):
     #: the same weights give other logits, bit for bit, on another device.
     device: str = "CPU"
+    #: What the worker's batching checks certified (how many sequences one decode
+    #: call takes, up to which KV length, what was compared), in words; empty
+    #: from a process that decodes nothing (the web's own identity).
+    exactness: str = ""
 
     def fields(self) -> dict[str, str]:
         """The Redis hash fields that announce it (prefixed ``model_``)."""
@@ -59,6 +63,7 @@ class ModelIdentity:
                 n_vocab=int(raw["model_n_vocab"]),
                 vocab_digest=raw["model_vocab_digest"],
                 device=raw.get("model_device", "CPU"),
+                exactness=raw.get("model_exactness", ""),
             )
         except (KeyError, ValueError):
             return None
@@ -117,6 +122,7 @@ def identify(
     n_ctx: int,
     cache_dir: str | None = None,
     device: str = "CPU",
+    exactness: str = "",
 ) -> ModelIdentity:
     """The identity of the model file ``path`` as loaded into ``vocab`` (on ``device``)."""
     return ModelIdentity(
@@ -126,4 +132,5 @@ def identify(
         n_vocab=vocab.n_vocab,
         vocab_digest=vocab_digest(vocab),
         device=device,
+        exactness=exactness,
     )
