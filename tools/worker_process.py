@@ -52,11 +52,11 @@ def run_worker(settings: Settings) -> None:
     )
     ops = None
     if settings.exact and settings.max_seqs > 1:
-        # Before the model loads: llama.cpp reads its kernel switches at its first
-        # matrix product in this process.
         ops = exact_kernels(settings, settings.n_ctx,
                             gpu=device_key(settings.n_gpu_layers) != "CPU")  # fmt: skip
         log.info("per-op batching check: %s", ops.how)
+        if ops.hint:
+            log.info("%s", ops.hint)
     try:
         engine = LlamaEngine(
             settings.model or "",

@@ -242,7 +242,7 @@ def worker_kernels(settings: Settings) -> KernelChoice:
 #: certified nothing beyond one sequence per call.
 OPCHECK_TIMEOUT_SECONDS = 300.0
 #: The switch of llama.cpp's tiled K-quant CPU product (on by default; read once
-#: per process, at its first matrix product).
+#: per process, at its first matrix product; an operator's setting).
 TILED_SWITCH = "GGML_CPU_TILED_MM"
 #: The weight types llama.cpp's tiled CPU product takes (ggml-cpu/tiled/tiled.cpp).
 TILED_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S",
@@ -256,8 +256,9 @@ class OpChoice:
 
     size: int
     how: str
-    #: Settings put into this process's environment (llama.cpp reads them there).
-    environment: dict[str, str]
+    #: What an operator could change to certify wider calls, and its price
+    #: (empty: nothing known).
+    hint: str = ""
 
 
 def opcheck_command(model: str, widths: int, n_ctx: int, threads: int | None,
@@ -271,17 +272,15 @@ def opcheck_command(model: str, widths: int, n_ctx: int, threads: int | None,
     return [*cmd, "--gpu"] if gpu else cmd
 
 
-def _opcheck(command: Sequence[str], environment: dict[str, str], cache: Path,
-             timeout: float) -> dict[str, Any]:  # fmt: skip
+def _opcheck(command: Sequence[str], cache: Path, timeout: float) -> dict[str, Any]:
     """The check's JSON verdict, cached; an empty verdict (size 1) when it fails."""
     try:
         return dict(json.loads(cache.read_text()))
     except (OSError, ValueError, TypeError):
         pass
-    env = {**os.environ, **environment}
     try:
         done = subprocess.run(list(command), stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=timeout, check=False, env=env)  # fmt: skip
+                              timeout=timeout, check=False)  # fmt: skip
     except subprocess.TimeoutExpired:
         return {"size": 1, "error": f"the op check did not finish in {timeout:.0f} s"}
     except OSError as exc:
@@ -327,39 +326,31 @@ def exact_kernels(
     timeout: float = OPCHECK_TIMEOUT_SECONDS,
 ) -> OpChoice:
     """Certify, op by op, how many sequences one decode call may take for every
-    KV length up to ``n_ctx`` (:mod:`jobs.engine.opcheck`, in a child process,
-    cached per llama.cpp build, CPU, model file, shape and kernel environment),
-    and take the CPU kernels that certify most.
+    KV length up to ``n_ctx`` (:mod:`jobs.engine.opcheck`, in a child process
+    with this process's environment, cached per llama.cpp build, CPU, model
+    file, shape and kernel environment).
 
-    llama.cpp's tiled K-quant product (from 8 columns) sums in another order than
-    its one-column product; where it is what limits the width, the check runs
-    again with it off (``GGML_CPU_TILED_MM=0``) and, if that certifies more, this
-    process runs with it off (before its first matrix product, when llama.cpp
-    reads the switch). A ``GGML_CPU_TILED_MM`` the operator set is kept."""
+    Where llama.cpp's tiled K-quant product (from 8 columns, another summation
+    order than one column) is what limits the width, the choice says so: with
+    ``GGML_CPU_TILED_MM=0`` one call takes more sequences, but K-quant weights
+    then prefill with the one-column product, several times slower on models
+    made mostly of them (docs/benchmarks.md), so it is the operator's call."""
     from jobs.engine.llama import build_info, device_key
 
     limit = settings.max_seqs or 1
     model = settings.model or ""
     command = opcheck_command(model, limit, n_ctx, settings.n_threads, gpu)
-
-    def run(environment: dict[str, str]) -> dict[str, Any]:
-        env_line = kernel_environment() + " " + " ".join(f"{k}={v}" for k, v in environment.items())
-        shape = f"opcheck {limit} ctx {n_ctx} threads {settings.n_threads} env {env_line}"
-        key = _cache_key(model, f"{build_info()}\n{device_key(settings.n_gpu_layers)}\n{shape}")
-        return _opcheck(command, environment, _cache_path(settings.cache_dir, key), timeout)
-
-    verdict, chosen = run({}), {}
-    if (int(verdict.get("size", 1)) < limit and not gpu and TILED_SWITCH not in os.environ
-            and _tiled_culprit(verdict)):  # fmt: skip
-        off = {TILED_SWITCH: "0"}
-        without = run(off)
-        if int(without.get("size", 1)) > int(verdict.get("size", 1)):
-            log.info("the tiled K-quant product limits exact batching (%s): running without it "
-                     "(%s=0)", _described(verdict), TILED_SWITCH)  # fmt: skip
-            verdict, chosen = without, off
-            os.environ.update(off)
+    shape = f"opcheck {limit} ctx {n_ctx} threads {settings.n_threads} env {kernel_environment()}"
+    key = _cache_key(model, f"{build_info()}\n{device_key(settings.n_gpu_layers)}\n{shape}")
+    verdict = _opcheck(command, _cache_path(settings.cache_dir, key), timeout)
     size = max(1, min(limit, int(verdict.get("size", 1))))
-    return OpChoice(size, _described(verdict), chosen)
+    hint = ""
+    if size < limit and not gpu and _tiled_culprit(verdict):
+        hint = (f"llama.cpp's tiled K-quant product is what differs at width {size + 1}; "
+                f"{TILED_SWITCH}=0 turns it off so that one call takes more sequences, and "
+                "makes the prefill of K-quant weights slower (docs/benchmarks.md, "
+                "\"Exact at full speed\")")  # fmt: skip
+    return OpChoice(size, _described(verdict), hint)
 
 
 def _run_probe(model: str, n_gpu_layers: int | None) -> None:

@@ -27,10 +27,14 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=850)
     assert done.returncode == 0, done.stderr[-2000:]
     r = json.loads((out / "gpu-check.json").read_text())
-    for section in ("environment", "models", "probe", "park", "step", "concurrency", "mixed",
-                    "exactness"):  # fmt: skip
+    for section in ("environment", "models", "opcheck", "probe", "park", "step", "concurrency",
+                    "mixed", "exactness"):  # fmt: skip
         assert "error" not in r[section] and "skipped" not in r[section], (section, r[section])
     for quant in ("q8_0", "q4_0"):
+        ops = r["opcheck"][quant]
+        assert ops["device"].startswith("CPU") and ops["widths"] == 4 and ops["n_ctx"] == 4096
+        assert any(op["name"].startswith("attention") for op in ops["ops"])
+        assert f"Per-op check, {quant}" in (out / "gpu-check.md").read_text()
         probe = r["probe"][quant]
         assert probe["device"] == "CPU"
         assert set(probe["sizes"]) == {"1", "2", "3", "4"}

@@ -1,7 +1,8 @@
 """The per-op batching check (jobs/engine/opcheck.py) on real llama.cpp: it names
 the kernel that changes with the batch width, it is at least as strict as the
-whole-model probe, and the worker's choice of kernels from it keeps sequences
-past 1,000 positions exact at every width it certifies.
+whole-model probe, the worker's check certifies what the kernels of its
+environment allow, and the widths it certifies keep sequences past 1,000
+positions exact.
 
 The K-quant model is the ``small`` shape quantized by llama.cpp to Q4_K_M, so
 its products take llama.cpp's K-quant kernels: on x86 CPUs the tiled product
@@ -22,13 +23,15 @@ from typing import Any
 import pytest
 
 from jobs.engine.kernels import TILED_SWITCH, exact_kernels
-from jobs.engine.llama import LlamaEngine, build_info
+from jobs.engine.llama import LlamaEngine, build_info, device_key
 from jobs.engine.testmodel import write_kquant_model, write_test_model
 from scheduler.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 #: llama.cpp builds its tiled K-quant product for x86 CPUs with AVX or better.
 TILED_BUILT = any(f"{isa} = 1" in build_info() for isa in ("AVX2", "AVX512", "AVX "))
+#: Where an engine loaded with the defaults runs (a CUDA build: the GPU).
+ON_GPU = device_key(None) != "CPU"
 
 
 def _child_env(**extra: str) -> dict[str, str]:
@@ -36,11 +39,13 @@ def _child_env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONPATH": str(ROOT), **extra}
 
 
-def _opcheck(model: Path, widths: int, ctx: int, **env: str) -> dict[str, Any]:
+def _opcheck(
+    model: Path, widths: int, ctx: int, *, gpu: bool = False, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-m", "jobs.engine.opcheck", str(model), "--widths", str(widths),
-         "--ctx", str(ctx), "--json"],
-        capture_output=True, text=True, timeout=300, env=_child_env(**env), check=False,
+         "--ctx", str(ctx), "--json", *(["--gpu"] if gpu else [])],
+        capture_output=True, text=True, timeout=300, env=_child_env(**(env or {})), check=False,
     )  # fmt: skip
     assert done.stdout, done.stderr
     verdict: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -79,7 +84,7 @@ def test_the_op_check_finds_every_width_the_whole_model_probe_finds(
     """Where a whole model decoded beside others gets other logits at some width,
     the per-op check refuses that width too, and names a product."""
     model = write_test_model(tmp_path / f"tiny-{quant}.gguf", seed=0, quant=quant)
-    ops = _opcheck(model, 4, 1024)
+    ops = _opcheck(model, 4, 1024, gpu=ON_GPU)
     engine = LlamaEngine(str(model), n_ctx=1024, n_batch=16, n_seq_max=4, extra_buffers=False)
     whole = engine.probe_invariance(4, seconds=600)
     engine.close()
@@ -92,8 +97,8 @@ def test_the_op_check_finds_every_width_the_whole_model_probe_finds(
 def test_the_tiled_k_quant_product_is_named_and_every_width_agrees_without_it(
     kquant_model: Path,
 ) -> None:
-    on = _opcheck(kquant_model, 9, 1024, **{TILED_SWITCH: "1"})
-    off = _opcheck(kquant_model, 9, 1024, **{TILED_SWITCH: "0"})
+    on = _opcheck(kquant_model, 9, 1024, env={TILED_SWITCH: "1"})
+    off = _opcheck(kquant_model, 9, 1024, env={TILED_SWITCH: "0"})
     assert off["size"] == 9, off
     assert {op["name"].split()[1] for op in off["ops"] if op["name"].startswith("mul_mat")} == {
         "Q4_K", "Q6_K"}  # fmt: skip
@@ -105,45 +110,46 @@ def test_the_tiled_k_quant_product_is_named_and_every_width_agrees_without_it(
         assert on["size"] == 9
 
 
-def test_the_worker_s_choice_turns_the_tiled_product_off_only_where_it_limits_the_width(
+def test_the_worker_s_check_certifies_what_its_kernels_allow_and_names_the_switch(
     kquant_model: Path, tmp_path: Path, clean_switch: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings = Settings(model=str(kquant_model), max_seqs=8, cache_dir=str(tmp_path))
-    choice = exact_kernels(settings, 1024, gpu=False)
-    assert choice.size == 8, choice.how
-    assert choice.environment == ({TILED_SWITCH: "0"} if TILED_BUILT else {})
-    assert os.environ.get(TILED_SWITCH) == ("0" if TILED_BUILT else None)
-    assert "every width up to 8 agrees" in choice.how
+    default = exact_kernels(settings, 1024, gpu=False)
+    assert default.size == (7 if TILED_BUILT else 8), default.how
+    assert (TILED_SWITCH + "=0" in default.hint) == TILED_BUILT
+    if TILED_BUILT:
+        assert "differs at width 8" in default.how and "Q4_K" in default.how
     # Cached: a second start runs no check.
-    os.environ.pop(TILED_SWITCH, None)
 
     def no_child(*args: object, **kwargs: object) -> None:
         raise AssertionError("the op check ran again")
 
     monkeypatch.setattr(subprocess, "run", no_child)
-    assert exact_kernels(settings, 1024, gpu=False) == choice
+    assert exact_kernels(settings, 1024, gpu=False) == default
     monkeypatch.undo()
-    # Four sequences per call never reach the tiled product: nothing to turn off.
-    os.environ.pop(TILED_SWITCH, None)
+    # The operator turns the tiled product off: every width agrees, nothing to hint.
+    os.environ[TILED_SWITCH] = "0"
+    off = exact_kernels(settings, 1024, gpu=False)
+    assert (off.size, off.hint) == (8, "")
+    assert "every width up to 8 agrees" in off.how
+    # Four sequences per call never reach the tiled product.
+    os.environ.pop(TILED_SWITCH)
     four = exact_kernels(settings.model_copy(update={"max_seqs": 4}), 1024, gpu=False)
-    assert (four.size, four.environment) == (4, {})
-    # A switch the operator set is theirs: kept, and the width is what it allows.
-    os.environ[TILED_SWITCH] = "1"
-    kept = exact_kernels(settings, 1024, gpu=False)
-    assert kept.environment == {} and os.environ[TILED_SWITCH] == "1"
-    assert kept.size == (7 if TILED_BUILT else 8)
-    assert ("Q4_K" in kept.how or "Q6_K" in kept.how) == TILED_BUILT
+    assert (four.size, four.hint) == (4, "")
 
 
-def test_eight_sequences_past_1000_positions_get_their_logits_alone_with_the_chosen_kernels(
+def test_eight_sequences_past_1000_positions_get_their_logits_alone_at_the_certified_width(
     kquant_model: Path, tmp_path: Path, clean_switch: None
 ) -> None:
     """The width the check certifies holds for a whole model deep in its context;
-    the same run with the tiled product on (where it is built) does not."""
+    a width it refuses (the tiled product on, where it is built) does not."""
+    os.environ[TILED_SWITCH] = "0"
     settings = Settings(model=str(kquant_model), max_seqs=8, cache_dir=str(tmp_path))
-    choice = exact_kernels(settings, 1200, gpu=False)
-    assert choice.size == 8
-    run = _width_run(kquant_model, 8, 1030, **choice.environment)
+    assert exact_kernels(settings, 1200, gpu=False).size == 8
+    run = _width_run(kquant_model, 8, 1030, **{TILED_SWITCH: "0"})
     assert run == {"equal": True, "positions": 1030 + 16 * 7 + 6}
     if TILED_BUILT:
+        os.environ[TILED_SWITCH] = "1"
+        assert exact_kernels(settings, 1200, gpu=False).size == 7
         assert not _width_run(kquant_model, 8, 1030, **{TILED_SWITCH: "1"})["equal"]
+        assert _width_run(kquant_model, 7, 1030, **{TILED_SWITCH: "1"})["equal"]

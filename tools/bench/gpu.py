@@ -9,6 +9,10 @@ fails is recorded with its error and the next one runs):
 - ``environment``: the card (nvidia-smi), llama.cpp's build and devices;
 - ``models``: random-weight models of a real shape (``1b``: Llama 3.2 1B's
   shape; ``--cpu``: ``small``) in Q8_0 and Q4_0;
+- ``opcheck``: the per-op check (jobs/engine/opcheck.py) of each model on the
+  card (``--cpu``: the CPU): each matrix product and the attention at widths up
+  to 16 and every KV length up to 4,096, naming the op that changes with the
+  width;
 - ``probe``: for each batch size up to 16 (``--cpu``: 4), whether every
   sequence decoded in one call gets, bit for bit, the logits it gets alone,
   and where it first differs; the size the worker would take;
@@ -58,10 +62,11 @@ __all__ = ["Check", "main", "markdown"]
 SHARES = {
     "environment": 0.02,
     "models": 0.06,
+    "opcheck": 0.06,
     "probe": 0.12,
     "park": 0.06,
     "step": 0.05,
-    "concurrency": 0.35,
+    "concurrency": 0.29,
     "mixed": 0.22,
     "exactness": 1.0,  # the last: whatever is left
 }
@@ -132,6 +137,24 @@ def _engine(model: str, seqs: int, n_ctx: int) -> Any:
     from jobs.engine.llama import LlamaEngine
 
     return LlamaEngine(model, n_ctx=n_ctx, n_batch=256, n_seq_max=seqs, extra_buffers=False)
+
+
+def opcheck(check: Check) -> dict[str, Any]:
+    """The per-op check in a child per model, on the card (the CPU with ``--cpu``)."""
+    out: dict[str, Any] = {}
+    for quant, model in check.models.items():
+        if check.left() < 5:
+            break
+        where = [] if check.cpu else ["--gpu"]
+        cmd = [sys.executable, "-m", "jobs.engine.opcheck", model, "--widths",
+               str(check.limit), "--ctx", "4096", "--json", *where]  # fmt: skip
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                                  timeout=max(check.left(), 5.0))  # fmt: skip
+            out[quant] = json.loads(done.stdout.strip().splitlines()[-1])
+        except (subprocess.TimeoutExpired, ValueError, IndexError) as exc:
+            out[quant] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
 
 
 def probe(check: Check) -> dict[str, Any]:
@@ -338,7 +361,7 @@ def _mixed_row(summary: dict[str, Any]) -> dict[str, Any]:
 
 def exactness(check: Check) -> dict[str, Any]:
     names = check.tests or (["engine"] if check.cpu else ["engine", "batching", "parking",
-                                                          "quantized"])  # fmt: skip
+                                                          "quantized", "opcheck"])  # fmt: skip
     tests = [f"tests/integration/test_{name}.py" for name in names]
     # Another machine's packages may warn where this one's do not: a warning is no failure here.
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "120",
@@ -361,6 +384,7 @@ def exactness(check: Check) -> dict[str, Any]:
 SECTIONS: dict[str, Callable[[Check], dict[str, Any]]] = {
     "environment": environment,
     "models": models,
+    "opcheck": opcheck,
     "probe": probe,
     "park": park,
     "step": step,
@@ -421,6 +445,16 @@ def markdown(r: dict[str, Any]) -> str:
     for name, section in r.items():
         if isinstance(section, dict) and ("error" in section or "skipped" in section):
             lines.append(f"- **{name}**: {section.get('error') or section.get('skipped')}")
+    for quant, v in r.get("opcheck", {}).items():
+        if not isinstance(v, dict) or "ops" not in v:
+            continue
+        lines += ["", f"## Per-op check, {quant} ({v['device']}, widths 1..{v['widths']}, KV up "
+                  f"to {v['n_ctx']})", "", "| op | first width that differs | where |",
+                  "|---|---|---|"]  # fmt: skip
+        for op in v["ops"]:
+            lines.append(f"| {op['name']} | {op['first_differs'] or 'none'} | "
+                         f"{op['where'] or '-'} |")  # fmt: skip
+        lines += ["", f"Every op agrees up to width {v['size']}."]
     probe_r = r.get("probe", {})
     for quant, p in probe_r.items():
         if not isinstance(p, dict) or "sizes" not in p:
