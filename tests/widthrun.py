@@ -2,7 +2,8 @@
 POSITIONS`` fills WIDTH sequences with text to about POSITIONS each (chunks of
 fixed boundaries, calls of their own), then decodes a few steps of each alone
 and the same steps of all of them in one call per step, and prints as JSON
-whether every logit agreed, bit for bit.
+whether every logit agreed, bit for bit. On the CPU (what the K-quant tests
+check), whatever the build.
 
 A process of its own: llama.cpp reads its kernel switches (``GGML_CPU_TILED_MM``)
 once per process, so each setting needs a fresh one.
@@ -23,7 +24,7 @@ N_BATCH = 256
 
 def run(model: str, width: int, positions: int) -> dict[str, object]:
     engine = LlamaEngine(model, n_ctx=positions + 64 + 16 * width + STEPS, n_batch=N_BATCH,
-                         n_seq_max=width, extra_buffers=False)  # fmt: skip
+                         n_seq_max=width, extra_buffers=False, n_gpu_layers=0)  # fmt: skip
     text = engine.tokenize("Each sequence reads its own part of this long and winding text. ")
     length = {s: positions + 16 * s for s in range(width)}
 

@@ -87,8 +87,10 @@ def run_worker(settings: Settings) -> None:
                 ) from None
             size = verdict.size
             how = f"per-op check: {ops.how}; whole model: {verdict.how}"
-            if verdict.partial:
-                # Said as what it is: the whole-model comparison stopped early.
+            # The per-op check ran on one device: layers llama.cpp left on the
+            # CPU beside a GPU (and the output layer) took kernels it did not see.
+            split = engine.device != "CPU" and 0 <= engine.n_gpu_layers <= engine.n_layer
+            if verdict.partial and ops.complete and not split:
                 log.info(
                     "the whole-model comparison reached position %d of %d in its time; past "
                     "it the per-op check vouches alone (each op at every width up to %d and "
@@ -97,6 +99,17 @@ def run_worker(settings: Settings) -> None:
                     verdict.n_ctx,
                     ops.size,
                     engine.n_ctx,
+                )
+            elif verdict.partial:
+                # Said as what it is: a check of the first positions, not of the context.
+                log.warning(
+                    "exactness beside other sequences was checked up to position %d of %d "
+                    "only (the whole-model check's time ran out, and the per-op check %s): a "
+                    "job past it may get other tokens beside others than alone; "
+                    "PARKQ_MAX_SEQS=1 is exact at every position",
+                    verdict.horizon,
+                    verdict.n_ctx,
+                    "did not see the layers left on the CPU" if split else "is not complete",
                 )
         else:
             size, how = settings.max_seqs, "PARKQ_EXACT off: any width, not checked"

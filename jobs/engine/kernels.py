@@ -259,6 +259,9 @@ class OpChoice:
     #: What an operator could change to certify wider calls, and its price
     #: (empty: nothing known).
     hint: str = ""
+    #: Every KV length up to the context checked and no op left out: past the
+    #: whole-model probe's positions, the per-op check vouches alone.
+    complete: bool = False
 
 
 def opcheck_command(model: str, widths: int, n_ctx: int, threads: int | None,
@@ -299,14 +302,18 @@ def _described(verdict: dict[str, Any]) -> str:
     if "error" in verdict:
         return str(verdict["error"])
     widths, size = int(verdict["widths"]), int(verdict["size"])
-    head = (f"{len(verdict['ops'])} ops on {verdict['device']} at every KV length up to "
-            f"{verdict['n_ctx']}")  # fmt: skip
+    head = (f"{len(verdict['ops'])} ops on {verdict['device']}, KV lengths up to "
+            f"{verdict['cells']} of {verdict['n_ctx']}")  # fmt: skip
     if size >= widths:
-        return f"{head}: every width up to {widths} agrees with one sequence alone"
-    bad = [op for op in verdict["ops"] if op["first_differs"] == size + 1]
-    return f"{head}: widths up to {size} agree; " + "; ".join(
-        f"{op['name']} differs at width {op['first_differs']}" for op in bad
-    )
+        text = f"{head}: every width up to {widths} agrees with one sequence alone"
+    else:
+        bad = [op for op in verdict["ops"] if op["first_differs"] == size + 1]
+        text = f"{head}: widths up to {size} agree; " + "; ".join(
+            f"{op['name']} differs at width {op['first_differs']}" for op in bad
+        )
+    if verdict.get("uncovered"):
+        text += "; not checked: " + "; ".join(verdict["uncovered"])
+    return text
 
 
 def _tiled_culprit(verdict: dict[str, Any]) -> bool:
@@ -336,11 +343,14 @@ def exact_kernels(
     then prefill with the one-column product, several times slower on models
     made mostly of them (docs/benchmarks.md), so it is the operator's call."""
     from jobs.engine.llama import build_info, device_key
+    from jobs.engine.opcheck import VERSION
 
     limit = settings.max_seqs or 1
     model = settings.model or ""
-    command = opcheck_command(model, limit, n_ctx, settings.n_threads, gpu)
-    shape = f"opcheck {limit} ctx {n_ctx} threads {settings.n_threads} env {kernel_environment()}"
+    threads = settings.n_threads or len(os.sched_getaffinity(0))  # what the engine takes
+    command = opcheck_command(model, limit, n_ctx, threads, gpu)
+    shape = (f"opcheck {VERSION} widths {limit} ctx {n_ctx} threads {threads} "
+             f"env {kernel_environment()}")  # fmt: skip
     key = _cache_key(model, f"{build_info()}\n{device_key(settings.n_gpu_layers)}\n{shape}")
     verdict = _opcheck(command, _cache_path(settings.cache_dir, key), timeout)
     size = max(1, min(limit, int(verdict.get("size", 1))))
@@ -350,7 +360,7 @@ def exact_kernels(
                 f"{TILED_SWITCH}=0 turns it off so that one call takes more sequences, and "
                 "makes the prefill of K-quant weights slower (docs/benchmarks.md, "
                 "\"Exact at full speed\")")  # fmt: skip
-    return OpChoice(size, _described(verdict), hint)
+    return OpChoice(size, _described(verdict), hint, bool(verdict.get("complete")))
 
 
 def _run_probe(model: str, n_gpu_layers: int | None) -> None:

@@ -5,10 +5,11 @@ others.
 
 A whole-model probe (:meth:`LlamaEngine.probe_invariance`) says *that* a
 sequence's logits changed; this check says *which* kernel changed them, and it
-covers every width and every KV length in seconds, where the whole-model probe
-needs minutes per position range. It drives ggml directly through its C API
-(``ggml_backend_*``, the same kernels llama.cpp's decode calls), so it needs no
-header and no compiler, and the same code checks a CUDA build.
+covers every width and (for a 4,096-cell context, in seconds) every KV length,
+where the whole-model probe needs minutes per position range. It drives ggml
+directly through its C API (jobs/engine/ggmlapi.py: the same kernels
+llama.cpp's decode calls), so it needs no header and no compiler, and the same
+code checks a CUDA build.
 
 What it checks:
 
@@ -21,14 +22,21 @@ What it checks:
   matrix-matrix ones past them.
 - **attention** (no flash attention, as parkq's exact mode runs it): Q·Kᵀ,
   the masked softmax and the product with the transposed V cache, at the model's
-  head sizes, for a sequence of length L alone (KV cells padded to 256, as
-  llama.cpp pads them) and in calls that pad it further: beside one longer
-  sequence reaching each multiple of 256 cells up to the context, and beside
-  2..N-1 others reaching the context's end (one KV stream per sequence, as
-  parkq's engine keeps them), for lengths across every 256-cell boundary.
+  head sizes, one KV stream per sequence (as parkq's engine keeps them), each
+  stream with data of its own. Every sequence of a call is compared with itself
+  alone (its cells padded to its own length, to 256 as llama.cpp pads them): a
+  length on each side of every 256-cell boundary beside a sequence reaching
+  the next boundary and one reaching twice as far, a short sequence beside one
+  reaching each multiple of 256 (every KV length a call can span), and 3 and N
+  sequences at each of those lengths, every width at the shortest
+  (:func:`attention_arrangements`). Its cost
+  grows with the square of the context, so it runs in increasing order of the
+  cells a call spans for ``--seconds`` (30) and says how far it got.
 
-It does not check the model's other ops (norms, rope, element-wise ops: one
-output per element, no reduction across the batch) nor how llama.cpp builds the
+It does not check the model's other ops (norms, rope, element-wise ops: each
+output from one sequence's values), weights of 3 or more dimensions (a mixture
+of experts' stacks: named in the verdict as not checked), the fused kernels a
+GPU backend may take for one sequence alone, nor how llama.cpp builds the
 graph; the whole-model probe stays the end-to-end check at a few positions.
 
 Run as ``python -m jobs.engine.opcheck MODEL [--widths N] [--ctx C] [--gpu]``:
@@ -38,29 +46,32 @@ it prints one line per op and a JSON verdict.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["OpResult", "OpVerdict", "check_model", "check_ops", "main", "weight_shapes"]
+from jobs.engine.ggmlapi import F16, F32, Device, Ggml
 
+__all__ = ["VERSION", "OpResult", "OpVerdict", "check_model", "check_ops", "main", "weight_shapes"]
+
+#: Part of every cached verdict's key: a verdict of an older check is not reused.
+VERSION = 2
 #: llama.cpp pads a sequence's KV cells to a multiple of this.
 KV_PAD = 256
+#: The attention check's time, by default: it checks KV lengths in increasing
+#: order and says how far it got (cost grows with the square of the context).
+ATTENTION_SECONDS = 30.0
 #: ggml's type ids (ggml.h) that the check names; others print as numbers.
 TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
               10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K",
               16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL",
               21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M", 30: "BF16"}  # fmt: skip
-F32, F16 = 0, 1
-_CPU, _GPU = 0, 1  # enum ggml_backend_dev_type
 
 
 @dataclass(frozen=True)
@@ -71,24 +82,30 @@ class OpResult:
     name: str
     #: The widths checked (sequences beside each other in one call).
     widths: int
-    #: The first width at which some column differed from the same column alone
-    #: (None: every width agreed).
+    #: The narrowest width at which some column differed from the same column
+    #: alone (None: every width agreed).
     first_differs: int | None = None
-    #: Where: the column (sequence) and, for attention, the KV cells and length.
+    #: Where: the column (sequence) and, for attention, the lengths.
     where: str = ""
     max_abs_diff: float = 0.0
     seconds: float = 0.0
+    #: For attention: every arrangement up to this many KV cells was checked
+    #: (None: not a KV-length op).
+    cells: int | None = None
 
 
 @dataclass(frozen=True)
 class OpVerdict:
-    """The check's answer: the widest call in which every op agrees with alone."""
+    """The check's answer: the widest call in which every op agrees with alone,
+    and what it did not cover."""
 
     device: str
     widths: int
     n_ctx: int
     ops: list[OpResult] = field(default_factory=list)
     seconds: float = 0.0
+    #: What the check has no op for (weights it skipped), in words.
+    uncovered: list[str] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -96,125 +113,38 @@ class OpVerdict:
         firsts = [op.first_differs for op in self.ops if op.first_differs is not None]
         return min(firsts, default=self.widths + 1) - 1
 
+    @property
+    def cells(self) -> int:
+        """KV lengths covered: every arrangement up to this many cells."""
+        return min((op.cells for op in self.ops if op.cells is not None), default=0)
+
+    @property
+    def complete(self) -> bool:
+        """Every KV length up to the context checked, and nothing left out."""
+        return self.cells >= self.n_ctx and not self.uncovered
+
     def culprits(self) -> list[OpResult]:
         """The ops that differed at the narrowest failing width."""
         size = self.size
         return [op for op in self.ops if op.first_differs == size + 1]
 
     def describe(self) -> str:
-        head = (f"{len(self.ops)} ops on {self.device}, widths 1..{self.widths}, KV up to "
-                f"{self.n_ctx} cells, {self.seconds:.1f} s: ")  # fmt: skip
+        head = (f"{len(self.ops)} ops on {self.device}, widths 1..{self.widths}, KV lengths up "
+                f"to {self.cells} of {self.n_ctx} cells, {self.seconds:.1f} s: ")  # fmt: skip
         if self.size >= self.widths:
-            return head + f"every width up to {self.widths} agrees with one sequence alone"
-        bad = "; ".join(f"{op.name} differs at width {op.first_differs} ({op.where}, max "
-                        f"difference {op.max_abs_diff:.3g})" for op in self.culprits())  # fmt: skip
-        return head + f"widths up to {self.size} agree; {bad}"
+            head += f"every width up to {self.widths} agrees with one sequence alone"
+        else:
+            bad = "; ".join(f"{op.name} differs at width {op.first_differs} ({op.where}, "
+                            f"max difference {op.max_abs_diff:.3g})"
+                            for op in self.culprits())  # fmt: skip
+            head += f"widths up to {self.size} agree; {bad}"
+        if self.uncovered:
+            head += "; not checked: " + "; ".join(self.uncovered)
+        return head
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "size": self.size}
-
-
-# -- ggml through ctypes ----------------------------------------------------------
-
-
-class _InitParams(ctypes.Structure):
-    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p),
-                ("no_alloc", ctypes.c_bool)]  # fmt: skip
-
-
-class _Ggml:
-    """The few ggml entry points the check calls, from the libraries llama-cpp-python
-    loaded (the same build the worker decodes with)."""
-
-    def __init__(self, lib_dir: Path) -> None:
-        mode = getattr(os, "RTLD_GLOBAL", 0)
-        base = ctypes.CDLL(str(lib_dir / "libggml-base.so"), mode=mode)
-        ggml = ctypes.CDLL(str(lib_dir / "libggml.so"), mode=mode)
-        cpu_path = lib_dir / "libggml-cpu.so"
-        cpu = ctypes.CDLL(str(cpu_path), mode=mode) if cpu_path.exists() else None
-        p, i64, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t
-
-        def fn(lib: ctypes.CDLL, name: str, res: Any, *args: Any) -> Any:
-            f = getattr(lib, name)
-            f.restype, f.argtypes = res, list(args)
-            return f
-
-        self.init = fn(base, "ggml_init", p, _InitParams)
-        self.free = fn(base, "ggml_free", None, p)
-        self.tensor_overhead = fn(base, "ggml_tensor_overhead", sz)
-        self.graph_overhead = fn(base, "ggml_graph_overhead", sz)
-        self.new_4d = fn(base, "ggml_new_tensor_4d", p, p, ctypes.c_int, i64, i64, i64, i64)
-        self.mul_mat = fn(base, "ggml_mul_mat", p, p, p, p)
-        self.soft_max_ext = fn(base, "ggml_soft_max_ext", p, p, p, p, ctypes.c_float,
-                               ctypes.c_float)  # fmt: skip
-        self.permute = fn(base, "ggml_permute", p, p, p, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_int)  # fmt: skip
-        self.view_4d = fn(base, "ggml_view_4d", p, p, p, i64, i64, i64, i64, sz, sz, sz, sz)
-        self.row_size = fn(base, "ggml_row_size", sz, ctypes.c_int, i64)
-        self.new_graph = fn(base, "ggml_new_graph", p, p)
-        self.expand = fn(base, "ggml_build_forward_expand", None, p, p)
-        self.alloc_tensors = fn(base, "ggml_backend_alloc_ctx_tensors", p, p, p)
-        self.buffer_free = fn(base, "ggml_backend_buffer_free", None, p)
-        self.tensor_set = fn(base, "ggml_backend_tensor_set", None, p, p, sz, sz)
-        self.tensor_get = fn(base, "ggml_backend_tensor_get", None, p, p, sz, sz)
-        self.nbytes = fn(base, "ggml_nbytes", sz, p)
-        self.graph_compute = fn(base, "ggml_backend_graph_compute", ctypes.c_int, p, p)
-        self.backend_free = fn(base, "ggml_backend_free", None, p)
-        self.backend_name = fn(base, "ggml_backend_name", ctypes.c_char_p, p)
-        self.init_by_type = fn(ggml, "ggml_backend_init_by_type", p, ctypes.c_int, p)
-        self.set_threads = (fn(cpu, "ggml_backend_cpu_set_n_threads", None, p, ctypes.c_int)
-                            if cpu is not None else None)  # fmt: skip
-
-
-class _Device:
-    """One ggml backend (the CPU, or the first GPU) and tensors allocated on it."""
-
-    def __init__(self, ggml: _Ggml, gpu: bool, threads: int) -> None:
-        self.g = ggml
-        self.backend = ggml.init_by_type(_GPU if gpu else _CPU, None)
-        if not self.backend:
-            raise RuntimeError(f"this llama.cpp build has no {'GPU' if gpu else 'CPU'} backend")
-        self.name = (ggml.backend_name(self.backend) or b"?").decode()
-        if not gpu and ggml.set_threads is not None:
-            ggml.set_threads(self.backend, threads)
-            self.name += f" ({threads} threads)"
-
-    def close(self) -> None:
-        self.g.backend_free(self.backend)
-
-    def context(self, tensors: int) -> int:
-        params = _InitParams(self.g.tensor_overhead() * tensors + self.g.graph_overhead(), None,
-                             True)  # fmt: skip
-        ctx = self.g.init(params)
-        if not ctx:
-            raise MemoryError("ggml_init failed")
-        return int(ctx)
-
-    def upload(self, ctx: int) -> int:
-        buf = self.g.alloc_tensors(ctx, self.backend)
-        if not buf:
-            raise MemoryError("cannot allocate the check's tensors on the device")
-        return int(buf)
-
-    def put(self, tensor: int, data: np.ndarray | bytes | memoryview) -> None:
-        view = np.ascontiguousarray(np.frombuffer(data, dtype=np.uint8)
-                                    if not isinstance(data, np.ndarray) else data)  # fmt: skip
-        n = self.g.nbytes(tensor)
-        if view.nbytes != n:
-            raise ValueError(f"{view.nbytes} bytes for a tensor of {n}")
-        self.g.tensor_set(tensor, view.ctypes.data, 0, n)
-
-    def get(self, tensor: int, shape: Sequence[int]) -> np.ndarray:
-        out = np.empty(shape, dtype=np.float32)
-        self.g.tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
-        return out
-
-    def compute(self, ctx: int, result: int) -> None:
-        graph = self.g.new_graph(ctx)
-        self.g.expand(graph, result)
-        status = self.g.graph_compute(self.backend, graph)
-        if status != 0:
-            raise RuntimeError(f"ggml_backend_graph_compute returned {status}")
+        return {**asdict(self), "size": self.size, "cells": self.cells,
+                "complete": self.complete}  # fmt: skip
 
 
 # -- the model's shapes -----------------------------------------------------------
@@ -247,15 +177,32 @@ class AttentionShape:
     n_head_kv: int
 
 
-def weight_shapes(model: str) -> tuple[list[WeightShape], AttentionShape, Any]:
+@dataclass(frozen=True)
+class ModelShapes:
+    """What the check takes from a model file."""
+
+    weights: list[WeightShape]
+    attention: AttentionShape
+    n_ctx_train: int
+    #: Weights the check has no product for (3-D: a mixture of experts' stacks).
+    skipped: list[str]
+    reader: Any
+
+
+def weight_shapes(model: str) -> ModelShapes:
     """The distinct matrix products of ``model`` (2-D weights, norms excluded), its
-    attention's shape, and the reader that holds the tensors' bytes."""
+    attention's shape, its training context, the weights left out, and the reader
+    that holds the tensors' bytes."""
     from gguf import GGUFReader
 
     reader = GGUFReader(model)
     seen: dict[tuple[int, int, int], WeightShape] = {}
+    skipped = []
     for t in reader.tensors:
         shape = [int(x) for x in t.shape]
+        if len(shape) > 2 and t.name.endswith(".weight"):
+            skipped.append(t.name)
+            continue
         if len(shape) != 2 or not t.name.endswith(".weight") or shape[1] == 1:
             continue
         if t.name == "token_embd.weight" and any(x.name == "output.weight" for x in reader.tensors):
@@ -269,7 +216,9 @@ def weight_shapes(model: str) -> tuple[list[WeightShape], AttentionShape, Any]:
     n_head_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
     dk = int(_field(reader, f"{arch}.attention.key_length", n_embd // n_head))
     dv = int(_field(reader, f"{arch}.attention.value_length", dk))
-    return list(seen.values()), AttentionShape(dk, dv, n_head, n_head_kv), reader
+    n_ctx_train = int(_field(reader, f"{arch}.context_length"))
+    attention = AttentionShape(dk, dv, n_head, n_head_kv)
+    return ModelShapes(list(seen.values()), attention, n_ctx_train, skipped, reader)
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -278,11 +227,11 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
         if default is None:
             raise ValueError(f"the model has no {key}")
         return default
+    if f.types and f.types[0].name == "ARRAY":  # per-layer counts: the largest
+        return max(int(f.parts[i][0]) for i in f.data)
     value = f.parts[f.data[0]]
     if f.types and f.types[0].name == "STRING":
         return bytes(value).decode()
-    if f.types and f.types[0].name == "ARRAY":
-        return int(np.max(value))  # per-layer head counts: the largest
     return value[0]
 
 
@@ -290,7 +239,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def _first_difference(alone: np.ndarray, together: np.ndarray) -> tuple[int, float] | None:
-    """The first column (axis 0) where ``together`` differs bit for bit from
+    """The first row (axis 0) where ``together`` differs bit for bit from
     ``alone``, and the largest difference there."""
     same = (alone.view(np.uint32) == together.view(np.uint32)).reshape(len(alone), -1)
     bad = np.flatnonzero(~same.all(axis=1))
@@ -300,30 +249,31 @@ def _first_difference(alone: np.ndarray, together: np.ndarray) -> tuple[int, flo
     return j, float(np.nanmax(np.abs(alone[j].astype(np.float64) - together[j])))
 
 
-def check_matmul(dev: _Device, w: WeightShape, data: Any, widths: int,
+def check_matmul(dev: Device, w: WeightShape, data: Any, widths: int,
                  rng: np.random.Generator) -> OpResult:  # fmt: skip
     """``w``'s product with 1..``widths`` columns against each column alone."""
     g, t0 = dev.g, time.perf_counter()
     wctx = dev.context(1)
-    weight = g.new_4d(wctx, w.ggml_type, w.cols, w.rows, 1, 1)
-    wbuf = dev.upload(wctx)
     try:
-        dev.put(weight, np.asarray(data).reshape(-1).view(np.uint8))
-        x = rng.standard_normal((widths, w.cols)).astype(np.float32)
-        alone = np.stack([_product(dev, weight, w, x[j : j + 1])[0] for j in range(widths)])
-        for n in range(2, widths + 1):
-            found = _first_difference(alone[:n], _product(dev, weight, w, x[:n]))
-            if found is not None:
-                j, diff = found
-                return OpResult(w.name, widths, n, f"column {j}", diff,
-                                time.perf_counter() - t0)  # fmt: skip
+        weight = g.new_4d(wctx, w.ggml_type, w.cols, w.rows, 1, 1)
+        wbuf = dev.upload(wctx)
+        try:
+            dev.put(weight, np.asarray(data).reshape(-1).view(np.uint8))
+            x = rng.standard_normal((widths, w.cols)).astype(np.float32)
+            alone = np.stack([_product(dev, weight, w, x[j : j + 1])[0] for j in range(widths)])
+            for n in range(2, widths + 1):
+                found = _first_difference(alone[:n], _product(dev, weight, w, x[:n]))
+                if found is not None:
+                    return OpResult(w.name, widths, n, f"column {found[0]}", found[1],
+                                    time.perf_counter() - t0)  # fmt: skip
+        finally:
+            g.buffer_free(wbuf)
     finally:
-        g.buffer_free(wbuf)
         g.free(wctx)
     return OpResult(w.name, widths, None, "", 0.0, time.perf_counter() - t0)
 
 
-def _product(dev: _Device, weight: int, w: WeightShape, x: np.ndarray) -> np.ndarray:
+def _product(dev: Device, weight: int, w: WeightShape, x: np.ndarray) -> np.ndarray:
     g = dev.g
     ctx = dev.context(3)
     try:
@@ -340,58 +290,114 @@ def _product(dev: _Device, weight: int, w: WeightShape, x: np.ndarray) -> np.nda
         g.free(ctx)
 
 
-def _lengths(n_ctx: int) -> list[int]:
-    """The sequence lengths the attention check puts first: short, across each
-    padding boundary, and the context's end."""
-    out = [1, 37]
-    out += [m + d for m in range(KV_PAD, n_ctx, KV_PAD) for d in (-1, 1)]
-    out.append(n_ctx)
-    return sorted({x for x in out if 1 <= x <= n_ctx})
-
-
 def _pad(n: int) -> int:
     return -(-n // KV_PAD) * KV_PAD
 
 
-def check_attention(dev: _Device, a: AttentionShape, n_ctx: int, widths: int,
-                    rng: np.random.Generator) -> OpResult:  # fmt: skip
-    """Stream 0's attention output alone (cells padded to its length) against the
-    same stream in calls that pad it further: beside one other stream reaching
-    each multiple of 256 cells up to the context (every KV length), and beside
-    2..``widths``-1 others reaching the context's end (every width), at every
-    length of :func:`_lengths` (the widths at the shortest two and the longest)."""
+def attention_arrangements(n_ctx: int, widths: int) -> list[list[int]]:
+    """The calls the attention check makes, as the lengths of their sequences
+    (the first is the one compared; every one is compared with itself alone),
+    in increasing order of the KV cells the call spans:
+
+    - each length across every 256-cell boundary (m - 1, m + 1) and the shortest
+      ones, beside one sequence reaching the next boundary and beside one
+      reaching twice as far (the padding a longer neighbour adds);
+    - a short sequence (37) beside one reaching each multiple of 256 (every KV
+      length a call can span);
+    - 3 and ``widths`` sequences at each of those lengths (all of one length, and
+      one beside the others at the next boundary), and every width from 3 to
+      ``widths`` at the shortest two lengths."""
+    lengths = sorted(
+        {1, 37, n_ctx} | {m + d for m in range(KV_PAD, n_ctx, KV_PAD) for d in (-1, 1)}
+    )
+    lengths = [x for x in lengths if 1 <= x <= n_ctx]
+    out: list[list[int]] = [[x] for x in lengths]  # alone, and their own repeatability
+    for x in lengths:
+        for other in (_pad(x) + KV_PAD, 2 * _pad(x)):
+            if other <= n_ctx:
+                out.append([x, other])
+    out += [[37, m] for m in range(KV_PAD, n_ctx + 1, KV_PAD)]
+    for x in lengths:
+        nxt = min(n_ctx, _pad(x) + KV_PAD)
+        for n in range(3, widths + 1) if x in (1, 37) else {3, widths} - {0, 1, 2}:
+            out.append([x] * n)
+            out.append([x] + [nxt] * (n - 1))
+    unique = {tuple(a) for a in out}
+    return sorted((list(a) for a in unique), key=lambda a: (_pad(max(a)), len(a), a))
+
+
+class _Streams:
+    """Each stream's own K, V and query (a stream's data differs from every other
+    one's: a kernel that reads another stream's data cannot pass)."""
+
+    def __init__(self, a: AttentionShape, n_ctx: int, rng: np.random.Generator) -> None:
+        cells = _pad(n_ctx)
+        self.k = (rng.standard_normal((cells, a.n_head_kv * a.head_dim_k)) * 0.5).astype(np.float16)
+        self.v = rng.standard_normal((a.n_head_kv * a.head_dim_v, cells)).astype(np.float16)
+        self.q = rng.standard_normal((a.n_head, a.head_dim_k)).astype(np.float32)
+
+    def k_of(self, s: int, cells: int) -> np.ndarray:
+        return np.roll(self.k, 3 * s, axis=1)[:cells]
+
+    def v_of(self, s: int, cells: int) -> np.ndarray:
+        return np.roll(self.v, 5 * s, axis=0)[:, :cells]
+
+    def q_of(self, s: int) -> np.ndarray:
+        return np.roll(self.q, 7 * s, axis=1)
+
+
+def check_attention(
+    dev: Device,
+    a: AttentionShape,
+    n_ctx: int,
+    widths: int,
+    rng: np.random.Generator,
+    seconds: float = ATTENTION_SECONDS,
+) -> OpResult:
+    """Every sequence of every arrangement (:func:`attention_arrangements`)
+    against the same sequence alone (its cells padded to its own length), bit for
+    bit, in increasing order of the cells a call spans until ``seconds`` run out:
+    the narrowest width that differed, and the KV cells up to which every
+    arrangement was checked."""
     t0 = time.perf_counter()
     name = (f"attention K·Q, softmax, V (head {a.head_dim_k}/{a.head_dim_v}, {a.n_head} heads, "
             f"{a.n_head_kv} KV heads, F16 cache)")  # fmt: skip
-    kv_size = _pad(n_ctx)
-    # One stream's cache and query, reused in every arrangement.
-    k = (rng.standard_normal((kv_size, a.n_head_kv, a.head_dim_k)) * 0.5).astype(np.float16)
-    v = (rng.standard_normal((a.n_head_kv, a.head_dim_v, kv_size))).astype(np.float16)
-    q = rng.standard_normal((a.n_head, a.head_dim_k)).astype(np.float32)
-    lengths = _lengths(n_ctx)
-    for i, length in enumerate(lengths):
-        alone = _attend(dev, a, k, v, q, [length], kv_size)[0]
-        arrangements = [[length, other] for other in range(_pad(length) + 1, n_ctx + 1, KV_PAD)]
-        if widths >= 2 and (i < 2 or i == len(lengths) - 1):
-            arrangements += [[length] + [n_ctx] * (n - 1) for n in range(2, widths + 1)]
-        for lengths_now in arrangements:
-            got = _attend(dev, a, k, v, q, lengths_now, kv_size)[0]
-            found = _first_difference(alone[None], got[None])
-            if found is not None:
-                n = len(lengths_now)
-                where = f"length {length} beside {n - 1} of length {lengths_now[-1]}"
-                return OpResult(name, widths, n, where, found[1], time.perf_counter() - t0)
-    return OpResult(name, widths, None, "", 0.0, time.perf_counter() - t0)
+    data = _Streams(a, n_ctx, rng)
+    groups: dict[int, list[list[int]]] = {}
+    for lengths in attention_arrangements(n_ctx, widths):
+        groups.setdefault(_pad(max(lengths)), []).append(lengths)
+    alone: dict[tuple[int, int], np.ndarray] = {}
+    first: tuple[int, str, float] | None = None
+    cells = 0
+    for span in sorted(groups):
+        if cells and time.perf_counter() - t0 > seconds:
+            break  # out of time: every arrangement up to ``cells`` was checked
+        for lengths in groups[span]:
+            got = _attend(dev, a, data, lengths, range(len(lengths)))
+            for s, length in enumerate(lengths):
+                if (s, length) not in alone:
+                    alone[(s, length)] = _attend(dev, a, data, [length], [s])[0]
+                found = _first_difference(alone[(s, length)][None], got[s][None])
+                if found is not None and (first is None or len(lengths) < first[0]):
+                    where = f"sequence {s} of length {length} in a call of lengths {lengths}"
+                    first = (len(lengths), where, found[1])
+        cells = min(span, n_ctx)
+    took = time.perf_counter() - t0
+    if first is not None:
+        return OpResult(name, widths, first[0], first[1], first[2], took, cells)
+    return OpResult(name, widths, None, "", 0.0, took, cells)
 
 
-def _attend(dev: _Device, a: AttentionShape, k: np.ndarray, v: np.ndarray, q: np.ndarray,
-            lengths: Sequence[int], kv_size: int) -> np.ndarray:  # fmt: skip
-    """One decode call's attention for ``len(lengths)`` streams (one token each),
-    llama.cpp's non-flash graph: the caches' views over ``n_kv`` cells (the longest
-    length, padded), a mask hiding each stream's cells past its length."""
+def _attend(dev: Device, a: AttentionShape, data: _Streams, lengths: Sequence[int],
+            streams: Sequence[int]) -> np.ndarray:  # fmt: skip
+    """One decode call's attention for ``len(lengths)`` sequences (one token each,
+    one KV stream each, stream ``streams[i]``'s data), llama.cpp's graph without
+    flash attention: the caches' views over ``n_kv`` cells (the longest length,
+    padded), a mask hiding each stream's cells past its length."""
     g = dev.g
     ns = len(lengths)
-    n_kv = min(kv_size, _pad(max(lengths)))
+    n_kv = _pad(max(lengths))
+    kv_size = n_kv  # the cache holds exactly the cells the call spans
     ctx = dev.context(12)
     try:
         dk, dv, nh, nkv = a.head_dim_k, a.head_dim_v, a.n_head, a.n_head_kv
@@ -411,11 +417,9 @@ def _attend(dev: _Device, a: AttentionShape, k: np.ndarray, v: np.ndarray, q: np
         out = g.mul_mat(ctx, vview, kq)  # [dv, 1, nh, ns]
         buf = dev.upload(ctx)
         try:
-            kdata = np.broadcast_to(k.reshape(kv_size, nkv * dk), (ns, kv_size, nkv * dk))
-            dev.put(kc, np.ascontiguousarray(kdata))
-            vdata = np.broadcast_to(v.reshape(nkv * dv, kv_size), (ns, nkv * dv, kv_size))
-            dev.put(vc, np.ascontiguousarray(vdata))
-            dev.put(qt, np.ascontiguousarray(np.broadcast_to(q, (ns, nh, dk))))
+            dev.put(kc, np.stack([data.k_of(s, kv_size) for s in streams]))
+            dev.put(vc, np.stack([data.v_of(s, kv_size) for s in streams]))
+            dev.put(qt, np.stack([data.q_of(s) for s in streams]))
             m = np.zeros((ns, n_kv), dtype=np.float32)
             for s, length in enumerate(lengths):
                 m[s, length:] = -np.inf
@@ -428,7 +432,7 @@ def _attend(dev: _Device, a: AttentionShape, k: np.ndarray, v: np.ndarray, q: np
         g.free(ctx)
 
 
-def library_dir() -> Path:
+def library_dir() -> Any:
     """Where the llama.cpp libraries the worker loads live (LLAMA_CPP_LIB_PATH or
     llama-cpp-python's own)."""
     from jobs.engine.llama import library_dir as where
@@ -445,19 +449,22 @@ def check_ops(
     gpu: bool = False,
     threads: int | None = None,
     seed: int = 0,
+    seconds: float = ATTENTION_SECONDS,
+    uncovered: Sequence[str] = (),
 ) -> OpVerdict:
     """Check ``weights`` (each with its bytes) and ``attention`` at widths
-    1..``widths`` and KV lengths up to ``n_ctx`` on the CPU (or the first GPU)."""
+    1..``widths`` and KV lengths up to ``n_ctx`` (within ``seconds``) on the CPU
+    (or the first GPU)."""
     t0 = time.perf_counter()
-    dev = _Device(_Ggml(library_dir()), gpu, threads or len(os.sched_getaffinity(0)))
+    dev = Device(Ggml(library_dir()), gpu, threads or len(os.sched_getaffinity(0)))
     rng = np.random.default_rng(seed)
     try:
         ops = [check_matmul(dev, w, data, widths, rng) for w, data in weights]
         if attention is not None:
-            ops.append(check_attention(dev, attention, n_ctx, widths, rng))
+            ops.append(check_attention(dev, attention, n_ctx, widths, rng, seconds))
     finally:
         dev.close()
-    return OpVerdict(dev.name, widths, n_ctx, ops, time.perf_counter() - t0)
+    return OpVerdict(dev.name, widths, n_ctx, ops, time.perf_counter() - t0, list(uncovered))
 
 
 def _tensor_bytes(reader: Any, name: str) -> Any:
@@ -467,15 +474,27 @@ def _tensor_bytes(reader: Any, name: str) -> Any:
     raise KeyError(name)
 
 
-def check_model(model: str, *, widths: int, n_ctx: int, gpu: bool = False,
-                threads: int | None = None) -> OpVerdict:  # fmt: skip
-    """:func:`check_ops` over the products and attention of the model file ``model``."""
-    shapes, attention, reader = weight_shapes(model)
-    if n_ctx <= 0:  # the model's own context, as llama.cpp takes n_ctx 0
-        arch = _field(reader, "general.architecture")
-        n_ctx = int(_field(reader, f"{arch}.context_length"))
-    weights = [(w, _tensor_bytes(reader, w.example)) for w in shapes]
-    return check_ops(weights, attention, widths=widths, n_ctx=n_ctx, gpu=gpu, threads=threads)
+def check_model(
+    model: str,
+    *,
+    widths: int,
+    n_ctx: int,
+    gpu: bool = False,
+    threads: int | None = None,
+    seconds: float = ATTENTION_SECONDS,
+) -> OpVerdict:
+    """:func:`check_ops` over the products and attention of the model file ``model``
+    (``n_ctx`` 0: its training context, as llama.cpp takes 0)."""
+    shapes = weight_shapes(model)
+    weights = [(w, _tensor_bytes(shapes.reader, w.example)) for w in shapes.weights]
+    uncovered = []
+    if shapes.skipped:
+        uncovered.append(f"{len(shapes.skipped)} weights of 3 or more dimensions (experts' "
+                         f"stacks: {shapes.skipped[0]}...)")  # fmt: skip
+    if gpu:
+        uncovered.append("the fused kernels a GPU backend may take for one sequence")
+    return check_ops(weights, shapes.attention, widths=widths, n_ctx=n_ctx or shapes.n_ctx_train,
+                     gpu=gpu, threads=threads, seconds=seconds, uncovered=uncovered)  # fmt: skip
 
 
 def _lines(verdict: OpVerdict) -> Iterator[str]:
@@ -483,7 +502,8 @@ def _lines(verdict: OpVerdict) -> Iterator[str]:
         state = ("same at every width" if op.first_differs is None
                  else f"DIFFERS at width {op.first_differs} ({op.where}, "
                  f"max {op.max_abs_diff:.3g})")  # fmt: skip
-        yield f"{op.name:<78} {state}  [{op.seconds:.2f} s]"
+        span = f", KV lengths up to {op.cells}" if op.cells is not None else ""
+        yield f"{op.name:<78} {state}{span}  [{op.seconds:.2f} s]"
     yield verdict.describe()
 
 
@@ -500,10 +520,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--gpu", action="store_true", help="check the first GPU, not the CPU")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        default=ATTENTION_SECONDS,
+        help="the attention check's time (it says how far it got)",
+    )
     ap.add_argument("--json", action="store_true", help="print only the JSON verdict")
     args = ap.parse_args(argv)
     verdict = check_model(args.model, widths=args.widths, n_ctx=args.ctx, gpu=args.gpu,
-                          threads=args.threads)  # fmt: skip
+                          threads=args.threads, seconds=args.seconds)  # fmt: skip
     if not args.json:
         for line in _lines(verdict):
             print(line)

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import requests
 
 from jobs.engine.kernels import invariant_batch_size
 from jobs.engine.llama import PROBE_STRIDE, LlamaEngine, NotRepeatable
@@ -287,6 +288,17 @@ def test_concurrent_jobs_run_side_by_side_and_each_streams_what_it_streams_alone
     batching: Cluster, references: list[list[tuple[int, str]]]
 ) -> None:
     _side_by_side_as_alone(batching, references, FOUR)
+    # What the worker certified, as /v1/models tells a client.
+    line = _exactness(batching)
+    assert line.startswith("up to 4 sequences per decode call, each as alone: per-op check:")
+    assert "every width up to 4 agrees" in line and "KV lengths up to 4096 of 4096" in line
+
+
+def _exactness(c: Cluster) -> str:
+    (model,) = requests.get(f"{c.base_url}/v1/models", timeout=30).json()["data"]
+    (line,) = model["exactness"]  # one worker setup
+    assert isinstance(line, str)
+    return line
 
 
 def _side_by_side_as_alone(
@@ -314,6 +326,10 @@ def test_a_width_that_differs_only_past_400_positions_is_not_used_and_streams_st
     env = {**FOUR, "PARKQ_TEST_BATCH_VARIANT_FROM": "3:400",
            "PARKQ_CACHE_DIR": str(tmp_path / "cache")}  # fmt: skip
     _side_by_side_as_alone(batching, references, env)
+    # The per-op check (which cannot see a plant inside the engine) passes 4; the
+    # whole model refuses 3, and the worker says so.
+    line = _exactness(batching)
+    assert line.startswith("up to 2 sequences per decode call") and "every width up to 4" in line
 
 
 def _two_running_then_a_better_one(
