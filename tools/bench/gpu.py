@@ -142,12 +142,16 @@ def _engine(model: str, seqs: int, n_ctx: int) -> Any:
 def opcheck(check: Check) -> dict[str, Any]:
     """The per-op check in a child per model, on the card (the CPU with ``--cpu``)."""
     out: dict[str, Any] = {}
-    for quant, model in check.models.items():
+    models = list(check.models.items())
+    for i, (quant, model) in enumerate(models):
         if check.left() < 5:
             break
         where = [] if check.cpu else ["--gpu"]
+        # The attention part's own time: a share of what is left, with room to load.
+        seconds = max(2.0, check.left() / (len(models) - i) - 10)
         cmd = [sys.executable, "-m", "jobs.engine.opcheck", model, "--widths",
-               str(check.limit), "--ctx", "4096", "--json", *where]  # fmt: skip
+               str(check.limit), "--ctx", "4096", "--json", "--seconds", f"{seconds:.0f}",
+               *where]  # fmt: skip
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, check=False,
                                   timeout=max(check.left(), 5.0))  # fmt: skip
