@@ -45,8 +45,10 @@ QUEUED = {**LONG, "prompt": "A job that waits", "seed": 6, "max_tokens": 400}
 class Sentinels:
     """A primary, its replica and three sentinels watching them."""
 
-    def __init__(self, root: Path, *server_args: str) -> None:
+    def __init__(self, root: Path, *server_args: str, down_after_ms: int = 1000) -> None:
         self.primary = RedisServer(root / "primary")
+        #: How long a server may not answer before a sentinel calls it down.
+        self.down_after_ms = down_after_ms
         self.replica = RedisServer(root / "replica")
         self.root = root
         #: Options of both servers (persistence, for one).
@@ -69,7 +71,7 @@ class Sentinels:
             conf.write_text(
                 f"port {port}\nbind 127.0.0.1\ndir {work}\nlogfile {work / 'sentinel.log'}\n"
                 f"sentinel monitor {SERVICE} 127.0.0.1 {self.primary.port} 2\n"
-                f"sentinel down-after-milliseconds {SERVICE} 1000\n"
+                f"sentinel down-after-milliseconds {SERVICE} {self.down_after_ms}\n"
                 f"sentinel failover-timeout {SERVICE} 10000\n"
                 f"sentinel parallel-syncs {SERVICE} 1\n"
             )
