@@ -90,6 +90,8 @@ def run_worker(settings: Settings) -> None:
             # The per-op check ran on one device: layers llama.cpp left on the
             # CPU beside a GPU (and the output layer) took kernels it did not see.
             split = engine.device != "CPU" and 0 <= engine.n_gpu_layers <= engine.n_layer
+            # Nor repacked weights: it multiplies plain ones.
+            split = split or kernels.extra_buffers
             if verdict.partial and ops.complete and not split:
                 log.info(
                     "the whole-model comparison reached position %d of %d in its time; past "
@@ -109,7 +111,9 @@ def run_worker(settings: Settings) -> None:
                     "PARKQ_MAX_SEQS=1 is exact at every position",
                     verdict.horizon,
                     verdict.n_ctx,
-                    "did not see the layers left on the CPU" if split else "is not complete",
+                    "did not see every kernel (layers left on the CPU, or repacked weights)"
+                    if split
+                    else "is not complete",
                 )
         else:
             size, how = settings.max_seqs, "PARKQ_EXACT off: any width, not checked"

@@ -75,6 +75,7 @@ class Device:
 
     def __init__(self, ggml: Ggml, gpu: bool, threads: int) -> None:
         self.g = ggml
+        self.gpu = gpu
         self.backend = ggml.init_by_type(_GPU if gpu else _CPU, None)
         if not self.backend and gpu:  # an integrated GPU is a device type of its own
             self.backend = ggml.init_by_type(_IGPU, None)

@@ -312,14 +312,16 @@ def attention_arrangements(n_ctx: int, widths: int) -> list[list[int]]:
     )
     lengths = [x for x in lengths if 1 <= x <= n_ctx]
     out: list[list[int]] = [[x] for x in lengths]  # alone, and their own repeatability
-    for x in lengths:
+    for x in lengths if widths >= 2 else []:
         for other in (_pad(x) + KV_PAD, 2 * _pad(x)):
             if other <= n_ctx:
                 out.append([x, other])
-    out += [[37, m] for m in range(KV_PAD, n_ctx + 1, KV_PAD)]
+    out += [[37, m] for m in range(KV_PAD, n_ctx + 1, KV_PAD) if widths >= 2]
     for x in lengths:
         nxt = min(n_ctx, _pad(x) + KV_PAD)
-        for n in range(3, widths + 1) if x in (1, 37) else {3, widths} - {0, 1, 2}:
+        for n in (
+            range(3, widths + 1) if x in (1, 37) else sorted({3, widths} & {*range(3, widths + 1)})
+        ):
             out.append([x] * n)
             out.append([x] + [nxt] * (n - 1))
     unique = {tuple(a) for a in out}
@@ -331,7 +333,7 @@ class _Streams:
     one's: a kernel that reads another stream's data cannot pass)."""
 
     def __init__(self, a: AttentionShape, n_ctx: int, rng: np.random.Generator) -> None:
-        cells = _pad(n_ctx)
+        cells = self.cells = _pad(n_ctx)
         self.k = (rng.standard_normal((cells, a.n_head_kv * a.head_dim_k)) * 0.5).astype(np.float16)
         self.v = rng.standard_normal((a.n_head_kv * a.head_dim_v, cells)).astype(np.float16)
         self.q = rng.standard_normal((a.n_head, a.head_dim_k)).astype(np.float32)
@@ -397,7 +399,10 @@ def _attend(dev: Device, a: AttentionShape, data: _Streams, lengths: Sequence[in
     g = dev.g
     ns = len(lengths)
     n_kv = _pad(max(lengths))
-    kv_size = n_kv  # the cache holds exactly the cells the call spans
+    # On a CPU every row is computed alone, so a cache of exactly the cells the
+    # call spans does; a GPU backend may pick kernels by the views' strides, so
+    # there the cache is the context's, as llama.cpp's is.
+    kv_size = data.cells if dev.gpu else n_kv
     ctx = dev.context(12)
     try:
         dk, dv, nh, nkv = a.head_dim_k, a.head_dim_v, a.n_head, a.n_head_kv
@@ -493,7 +498,9 @@ def check_model(
                          f"stacks: {shapes.skipped[0]}...)")  # fmt: skip
     if gpu:
         uncovered.append("the fused kernels a GPU backend may take for one sequence")
-    return check_ops(weights, shapes.attention, widths=widths, n_ctx=n_ctx or shapes.n_ctx_train,
+    # llama.cpp pads each sequence's context to a multiple of 256: check all of it.
+    n_ctx = _pad(n_ctx or shapes.n_ctx_train)
+    return check_ops(weights, shapes.attention, widths=widths, n_ctx=n_ctx,
                      gpu=gpu, threads=threads, seconds=seconds, uncovered=uncovered)  # fmt: skip
 
 
