@@ -299,21 +299,8 @@ def _opcheck(command: Sequence[str], cache: Path, timeout: float) -> dict[str, A
 
 
 def _described(verdict: dict[str, Any]) -> str:
-    if "error" in verdict:
-        return str(verdict["error"])
-    widths, size = int(verdict["widths"]), int(verdict["size"])
-    head = (f"{len(verdict['ops'])} ops on {verdict['device']}, KV lengths up to "
-            f"{verdict['cells']} of {verdict['n_ctx']}")  # fmt: skip
-    if size >= widths:
-        text = f"{head}: every width up to {widths} agrees with one sequence alone"
-    else:
-        bad = [op for op in verdict["ops"] if op["first_differs"] == size + 1]
-        text = f"{head}: widths up to {size} agree; " + "; ".join(
-            f"{op['name']} differs at width {op['first_differs']}" for op in bad
-        )
-    if verdict.get("uncovered"):
-        text += "; not checked: " + "; ".join(verdict["uncovered"])
-    return text
+    """The check's own words for its verdict (or why there is none)."""
+    return str(verdict.get("error") or verdict["describe"])
 
 
 def _tiled_culprit(verdict: dict[str, Any]) -> bool:

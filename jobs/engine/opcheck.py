@@ -61,7 +61,7 @@ from jobs.engine.ggmlapi import F16, F32, Device, Ggml
 __all__ = ["VERSION", "OpResult", "OpVerdict", "check_model", "check_ops", "main", "weight_shapes"]
 
 #: Part of every cached verdict's key: a verdict of an older check is not reused.
-VERSION = 2
+VERSION = 3
 #: llama.cpp pads a sequence's KV cells to a multiple of this.
 KV_PAD = 256
 #: The attention check's time, by default: it checks KV lengths in increasing
@@ -144,7 +144,7 @@ class OpVerdict:
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "size": self.size, "cells": self.cells,
-                "complete": self.complete}  # fmt: skip
+                "complete": self.complete, "describe": self.describe()}  # fmt: skip
 
 
 # -- the model's shapes -----------------------------------------------------------
@@ -437,14 +437,6 @@ def _attend(dev: Device, a: AttentionShape, data: _Streams, lengths: Sequence[in
         g.free(ctx)
 
 
-def library_dir() -> Any:
-    """Where the llama.cpp libraries the worker loads live (LLAMA_CPP_LIB_PATH or
-    llama-cpp-python's own)."""
-    from jobs.engine.llama import library_dir as where
-
-    return where()
-
-
 def check_ops(
     weights: Sequence[tuple[WeightShape, Any]],
     attention: AttentionShape | None,
@@ -460,6 +452,8 @@ def check_ops(
     """Check ``weights`` (each with its bytes) and ``attention`` at widths
     1..``widths`` and KV lengths up to ``n_ctx`` (within ``seconds``) on the CPU
     (or the first GPU)."""
+    from jobs.engine.llama import library_dir
+
     t0 = time.perf_counter()
     dev = Device(Ggml(library_dir()), gpu, threads or len(os.sched_getaffinity(0)))
     rng = np.random.default_rng(seed)

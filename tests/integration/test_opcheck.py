@@ -26,7 +26,7 @@ import pytest
 from jobs.engine import opcheck
 from jobs.engine.ggmlapi import Device, Ggml
 from jobs.engine.kernels import TILED_SWITCH, exact_kernels
-from jobs.engine.llama import LlamaEngine, build_info, device_key
+from jobs.engine.llama import LlamaEngine, build_info, device_key, library_dir
 from jobs.engine.testmodel import write_kquant_model, write_test_model
 from scheduler.settings import Settings
 
@@ -186,7 +186,7 @@ def test_the_attention_check_reports_the_narrowest_width_wherever_it_first_shows
     import numpy as np
 
     shape = opcheck.AttentionShape(16, 16, 4, 2)
-    dev = Device(Ggml(opcheck.library_dir()), False, 1)
+    dev = Device(Ggml(library_dir()), False, 1)
     try:
         rng = np.random.default_rng(0)
         clean = opcheck.check_attention(dev, shape, 1024, 6, rng, seconds=600)
