@@ -5,7 +5,8 @@
 ARG BACKEND=cpu
 ARG CUDA_IMAGE_TAG=12.6.3
 
-# ---- build stages: compile llama-cpp-python into a virtualenv ----------------
+# ---- build stages: compile llama-cpp-python (with parkq's llama.cpp patches,
+# tools/llamapatch) into a virtualenv ---------------------------------------
 FROM python:3.11-slim-bookworm AS build-cpu
 RUN apt-get update \
  && apt-get install -y --no-install-recommends build-essential cmake git \
@@ -28,6 +29,7 @@ COPY web ./web
 COPY tools ./tools
 RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir --upgrade pip \
+ && /opt/venv/bin/python -m tools.llamapatch ensure \
  && /opt/venv/bin/pip install --no-cache-dir ".[demo]"
 
 # ---- runtime stages ----------------------------------------------------------

@@ -30,6 +30,12 @@ ensure_venv() {
     fi
     .venv/bin/python -m pip install --quiet --upgrade pip
   fi
+  # llama.cpp with parkq's patches (tools/llamapatch): compiled once per machine
+  # (minutes), cached; a venv that has it already costs one import here.
+  if ! .venv/bin/python -m tools.llamapatch ensure; then
+    echo "parkq: WARNING: the patched llama.cpp did not build; installing stock" \
+      "llama-cpp-python (exact mode then decodes fewer sequences per call)" >&2
+  fi
   # The first install compiles llama.cpp (llama-cpp-python ships as source): minutes.
   local stamp=".venv/.parkq-installed-$extras"
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then

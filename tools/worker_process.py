@@ -12,7 +12,13 @@ from typing import Any
 import click
 
 from jobs.engine.capacity import sequence_plan
-from jobs.engine.kernels import exact_kernels, invariant_batch_size, worker_kernels
+from jobs.engine.kernels import (
+    TILED_FLOOR,
+    exact_kernels,
+    invariant_batch_size,
+    keep_decode_untiled,
+    worker_kernels,
+)
 from jobs.engine.llama import LlamaEngine, NotRepeatable, build_info, device_key
 from jobs.store.connect import connect
 from jobs.store.identity import identify
@@ -52,6 +58,12 @@ def run_worker(settings: Settings) -> None:
     )
     ops = None
     if settings.exact and settings.max_seqs > 1:
+        floor = keep_decode_untiled(settings.max_seqs)
+        if floor is not None:
+            log.info("%s=%d: in parkq's llama.cpp build the tiled K-quant product takes "
+                     "calls of %d columns or more (prompts), every decode width the "
+                     "one-column product; the op check below says what this build does",
+                     TILED_FLOOR, floor, floor)  # fmt: skip
         ops = exact_kernels(settings, settings.n_ctx,
                             gpu=device_key(settings.n_gpu_layers) != "CPU")  # fmt: skip
         log.info("per-op batching check: %s", ops.how)
@@ -131,6 +143,7 @@ def run_worker(settings: Settings) -> None:
             settings.max_seqs,
             engine.speedup(settings.max_seqs),
         )
+    exactness += f" ({build_info().split(';', 1)[0]})"  # which llama.cpp, patched or stock
     identity = identify(
         model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir,
         device=engine.device, exactness=exactness,

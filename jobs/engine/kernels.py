@@ -43,6 +43,7 @@ __all__ = [
     "choose_kernels",
     "exact_kernels",
     "invariant_batch_size",
+    "keep_decode_untiled",
     "peer_server_command",
     "probe_command",
     "worker_kernels",
@@ -244,6 +245,11 @@ OPCHECK_TIMEOUT_SECONDS = 300.0
 #: The switch of llama.cpp's tiled K-quant CPU product (on by default; read once
 #: per process, at its first matrix product; an operator's setting).
 TILED_SWITCH = "GGML_CPU_TILED_MM"
+#: The fewest columns that take the tiled product, in the llama.cpp that parkq
+#: installs (tools/llamapatch/0001; stock llama.cpp: always 8, and this is ignored).
+TILED_FLOOR = "GGML_CPU_TILED_MM_MIN_ROWS"
+#: Where stock llama.cpp starts the tiled product.
+TILED_STOCK_FLOOR = 8
 #: The weight types llama.cpp's tiled CPU product takes (ggml-cpu/tiled/tiled.cpp).
 TILED_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S",
                "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")  # fmt: skip
@@ -262,6 +268,19 @@ class OpChoice:
     #: Every KV length up to the context checked and no op left out: past the
     #: whole-model probe's positions, the per-op check vouches alone.
     complete: bool = False
+
+
+def keep_decode_untiled(widest: int) -> int | None:
+    """Raise the tiled product's floor above ``widest`` (the most sequences one
+    decode call takes), so that every decode width takes the one-column product
+    and prompt-wide products stay tiled; before llama.cpp's first matrix product
+    in this process (it reads the floor once), and for the check's child, which
+    inherits it. An operator's own setting is kept. The floor it set, or None."""
+    if TILED_FLOOR in os.environ:
+        return None
+    floor = max(TILED_STOCK_FLOOR, widest + 1)
+    os.environ[TILED_FLOOR] = str(floor)
+    return floor
 
 
 def opcheck_command(model: str, widths: int, n_ctx: int, threads: int | None,
@@ -344,9 +363,11 @@ def exact_kernels(
     hint = ""
     if size < limit and not gpu and _tiled_culprit(verdict):
         hint = (f"llama.cpp's tiled K-quant product is what differs at width {size + 1}; "
-                f"{TILED_SWITCH}=0 turns it off so that one call takes more sequences, and "
-                "makes the prefill of K-quant weights slower (docs/benchmarks.md, "
-                "\"Exact at full speed\")")  # fmt: skip
+                f"the llama.cpp parkq installs (python -m tools.llamapatch ensure, which "
+                f"./scripts/test and ./scripts/demo run) keeps it for prompts only; on "
+                f"this build {TILED_SWITCH}=0 turns it off so that one call takes more "
+                "sequences, and makes the prefill of K-quant weights slower "
+                "(docs/benchmarks.md, \"Exact at full speed\")")  # fmt: skip
     return OpChoice(size, _described(verdict), hint, bool(verdict.get("complete")))
 
 

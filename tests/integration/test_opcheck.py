@@ -25,7 +25,7 @@ import pytest
 
 from jobs.engine import opcheck
 from jobs.engine.ggmlapi import Device, Ggml
-from jobs.engine.kernels import TILED_SWITCH, exact_kernels
+from jobs.engine.kernels import TILED_FLOOR, TILED_SWITCH, exact_kernels, keep_decode_untiled
 from jobs.engine.llama import LlamaEngine, build_info, device_key, library_dir
 from jobs.engine.testmodel import write_kquant_model, write_test_model
 from scheduler.settings import Settings
@@ -38,7 +38,7 @@ ON_GPU = device_key(None) != "CPU"
 
 
 def _child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != TILED_SWITCH}
+    env = {k: v for k, v in os.environ.items() if k not in (TILED_SWITCH, TILED_FLOOR)}
     return {**env, "PYTHONPATH": str(ROOT), **extra}
 
 
@@ -72,13 +72,24 @@ def kquant_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def clean_switch() -> Iterator[None]:
-    """The tests set the switch in this process's environment (exact_kernels'
-    child inherits it): put it back."""
-    before = os.environ.pop(TILED_SWITCH, None)
+    """The tests set the switch and the floor in this process's environment
+    (exact_kernels' child inherits them): put them back."""
+    before = {k: os.environ.pop(k, None) for k in (TILED_SWITCH, TILED_FLOOR)}
     yield
-    os.environ.pop(TILED_SWITCH, None)
-    if before is not None:
-        os.environ[TILED_SWITCH] = before
+    for k, v in before.items():
+        os.environ.pop(k, None)
+        if v is not None:
+            os.environ[k] = v
+
+
+def test_the_installed_llama_cpp_is_parkq_s_patched_build() -> None:
+    """What ./scripts/test and ./scripts/demo install (tools/llamapatch): the
+    floor of the tiled product below is that build's."""
+    import llama_cpp
+
+    from tools import llamapatch
+
+    assert llama_cpp.__version__ == llamapatch.label()
 
 
 @pytest.mark.parametrize("quant", ["f32", "q8_0", "q4_0"])
@@ -120,6 +131,23 @@ def test_the_tiled_k_quant_product_is_named_and_every_width_agrees_without_it(
         assert on["size"] == 9
 
 
+def test_the_tiled_product_s_floor_keeps_every_decode_width_exact_and_prompts_tiled(
+    kquant_model: Path,
+) -> None:
+    """parkq's patched build: with the floor at 10, widths 1 to 9 take the
+    one-column product and agree; width 10 takes the tiled one again (so prompts
+    keep llama.cpp's fast prefill), and the check refuses it."""
+    below = _opcheck(kquant_model, 9, 1024, env={TILED_FLOOR: "10"})
+    assert below["size"] == 9, below
+    at = _opcheck(kquant_model, 10, 1024, env={TILED_FLOOR: "10"})
+    if TILED_BUILT:
+        assert at["size"] == 9, at
+        named = {op["name"].split()[1] for op in at["ops"] if op["first_differs"] == 10}
+        assert named and named <= {"Q4_K", "Q6_K"}, at
+    else:
+        assert at["size"] == 10
+
+
 def test_the_worker_s_check_certifies_what_its_kernels_allow_and_names_the_switch(
     kquant_model: Path, tmp_path: Path, clean_switch: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -137,6 +165,14 @@ def test_the_worker_s_check_certifies_what_its_kernels_allow_and_names_the_switc
     monkeypatch.setattr(subprocess, "run", no_child)
     assert exact_kernels(settings, 1024, gpu=False) == default
     monkeypatch.undo()
+    # What the worker does (tools/worker_process.py): the floor above 8 sequences.
+    assert keep_decode_untiled(8) == 9 and os.environ[TILED_FLOOR] == "9"
+    floored = exact_kernels(settings, 1024, gpu=False)
+    assert (floored.size, floored.hint) == (8, "")
+    assert "every width up to 8 agrees" in floored.how
+    # An operator's own floor is kept.
+    assert keep_decode_untiled(16) is None and os.environ[TILED_FLOOR] == "9"
+    os.environ.pop(TILED_FLOOR)
     # The operator turns the tiled product off: every width agrees, nothing to hint.
     os.environ[TILED_SWITCH] = "0"
     off = exact_kernels(settings, 1024, gpu=False)
@@ -153,8 +189,15 @@ def test_eight_sequences_past_1000_positions_get_their_logits_alone_at_the_certi
 ) -> None:
     """The width the check certifies holds for a whole model deep in its context;
     a width it refuses (the tiled product on, where it is built) does not."""
-    os.environ[TILED_SWITCH] = "0"
     settings = Settings(model=str(kquant_model), max_seqs=8, cache_dir=str(tmp_path))
+    # The worker's setting: prompts prefilled by the tiled product, decode widths not.
+    os.environ[TILED_FLOOR] = "9"
+    assert exact_kernels(settings, 1200, gpu=False).size == 8
+    run = _width_run(kquant_model, 8, 1030, **{TILED_FLOOR: "9"})
+    assert run == {"equal": True, "positions": 1030 + 16 * 7 + 6}
+    os.environ.pop(TILED_FLOOR)
+    # The tiled product off altogether.
+    os.environ[TILED_SWITCH] = "0"
     assert exact_kernels(settings, 1200, gpu=False).size == 8
     run = _width_run(kquant_model, 8, 1030, **{TILED_SWITCH: "0"})
     assert run == {"equal": True, "positions": 1030 + 16 * 7 + 6}

@@ -7,8 +7,8 @@
 A GPU machine of the device tool starts bare, reaches no network and takes
 64 MiB of files along. ``prepare`` fills the kit folder (git-ignored) with:
 
-- ``llama.cpp.tar.xz``: the llama.cpp source vendored by the installed
-  llama-cpp-python's sdist, trimmed to what a build of the libraries and
+- ``llama.cpp.tar.xz``: the llama.cpp source vendored by llama-cpp-python's
+  sdist with parkq's patches (tools/llamapatch), trimmed to what a build of the libraries and
   ``llama-server`` reads (no models, docs, tests, web UI or other backends);
 - ``wheels/``: parkq's dependencies that the device's Python 3.12 lacks, and
   a llama-cpp-python wheel built here (a ctypes package: its CPU libraries are
@@ -39,7 +39,18 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["PREBUILT", "build", "cmake_args", "pack", "prepare", "source", "trim_filter"]
+from tools import llamapatch
+
+__all__ = [
+    "PREBUILT",
+    "build",
+    "cmake_args",
+    "pack",
+    "patched_sdist",
+    "prepare",
+    "source",
+    "trim_filter",
+]
 
 #: The CUDA architecture of the card the check is prepared for (Hopper: H100, H200).
 DEFAULT_ARCH = "90"
@@ -103,6 +114,21 @@ def _sdist(version: str, work: Path) -> Path:
     return sdist
 
 
+def patched_sdist(sdist: Path, work: Path) -> Path:
+    """``sdist`` with parkq's llama.cpp patches applied (tools/llamapatch), repacked."""
+    from tools.llamapatch import apply
+
+    unpacked = work / "unpacked"
+    with tarfile.open(sdist) as tar:
+        tar.extractall(unpacked, filter="data")
+    (root,) = unpacked.glob("llama_cpp_python-*/")
+    apply(root / "vendor" / "llama.cpp")
+    out = work / "patched.tar"
+    with tarfile.open(out, "w") as tar:
+        tar.add(root, root.name)
+    return out
+
+
 def trimmed_source(sdist: Path, dest: Path) -> Path:
     """Write ``dest`` (.tar.xz): the sdist's vendor/llama.cpp, trimmed, rooted at llama.cpp/."""
     with tarfile.open(sdist) as src, tarfile.open(dest, "w:xz", preset=6) as out:
@@ -135,12 +161,7 @@ def _wheels(dest: Path) -> None:
          *pins],
         check=True,
     )  # fmt: skip
-    version = metadata.version("llama-cpp-python")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(dest),
-         f"llama-cpp-python=={version}"],
-        check=True,
-    )  # fmt: skip
+    shutil.copy2(llamapatch.wheel(), dest)  # the build scripts/env.sh installs, patched
     for wheel in dest.glob("llama_cpp_python-*.whl"):
         _without_libraries(wheel)
 
@@ -269,10 +290,10 @@ def source(kit: Path) -> Path:
     if target.exists():
         return target
     kit.mkdir(parents=True, exist_ok=True)
-    version = metadata.version("llama-cpp-python")
     with tempfile.TemporaryDirectory(prefix="parkq-sdist-") as tmp:
         partial = target.with_suffix(".partial")
-        trimmed_source(_sdist(version, Path(tmp)), partial)
+        work = Path(tmp)
+        trimmed_source(patched_sdist(_sdist(llamapatch.BASE_VERSION, work), work), partial)
         partial.replace(target)
     return target
 

@@ -40,7 +40,8 @@ __all__ = [
 
 def llama_server_path(cache_dir: str | None = None) -> Path:
     """Where ``llama-server`` for the installed llama-cpp-python is cached."""
-    version = metadata.version("llama-cpp-python")
+    # The release it was built from: llama-server is stock llama.cpp, as its users run it.
+    version = metadata.version("llama-cpp-python").split("+", 1)[0]
     return cache_root(cache_dir) / "llama-server" / version / "llama-server"
 
 

@@ -1,0 +1,3 @@
+from tools.llamapatch import main
+
+main()
