@@ -246,7 +246,8 @@ OPCHECK_TIMEOUT_SECONDS = 300.0
 #: per process, at its first matrix product; an operator's setting).
 TILED_SWITCH = "GGML_CPU_TILED_MM"
 #: The fewest columns that take the tiled product, in the llama.cpp that parkq
-#: installs (tools/llamapatch/0001; stock llama.cpp: always 8, and this is ignored).
+#: installs (tools/llamapatch/0001-cpu-tiled-min-rows.patch; stock llama.cpp: always 8,
+#: and this is ignored).
 TILED_FLOOR = "GGML_CPU_TILED_MM_MIN_ROWS"
 #: Where stock llama.cpp starts the tiled product.
 TILED_STOCK_FLOOR = 8

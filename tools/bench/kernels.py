@@ -3,7 +3,7 @@ prefill chunk, under each setting, each in a fresh process (llama.cpp reads
 its switches once per process).
 
     python -m tools.bench.kernels [--model PATH] [--widths 1,4,7,8]
-        [--settings default,GGML_CPU_TILED_MM=0,GGML_CPU_TILED_MM_FORCE=1]
+        [--settings default,GGML_CPU_TILED_MM_MIN_ROWS=9,GGML_CPU_TILED_MM=0,...]
         [--repeat 7] [--out FILE.json]
 
 For each setting: the best of ``--repeat`` times of one decode call of each
@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--model", default=None, help="GGUF path (default: the demo model)")
     ap.add_argument("--widths", default="1,4,7,8")
-    ap.add_argument("--settings", default="default,GGML_CPU_TILED_MM=0,GGML_CPU_TILED_MM_FORCE=1")
+    ap.add_argument(
+        "--settings",
+        default="default,GGML_CPU_TILED_MM_MIN_ROWS=9,GGML_CPU_TILED_MM=0,GGML_CPU_TILED_MM_FORCE=1",
+    )
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--out", default="bench-results/kernels.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
