@@ -33,8 +33,9 @@ ensure_venv() {
   # llama.cpp with parkq's patches (tools/llamapatch): compiled once per machine
   # (minutes), cached; a venv that has it already costs one import here.
   if ! .venv/bin/python -m tools.llamapatch ensure; then
-    echo "parkq: WARNING: the patched llama.cpp did not build; installing stock" \
-      "llama-cpp-python (exact mode then decodes fewer sequences per call)" >&2
+    echo "parkq: WARNING: parkq's patched llama.cpp did not build or install (above);" \
+      "with a stock llama-cpp-python exact mode decodes fewer sequences per call," \
+      "and ./scripts/test fails its patched-build test" >&2
   fi
   # The first install compiles llama.cpp (llama-cpp-python ships as source): minutes.
   local stamp=".venv/.parkq-installed-$extras"

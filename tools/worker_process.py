@@ -17,6 +17,7 @@ from jobs.engine.kernels import (
     exact_kernels,
     invariant_batch_size,
     keep_decode_untiled,
+    patched_build,
     worker_kernels,
 )
 from jobs.engine.llama import LlamaEngine, NotRepeatable, build_info, device_key
@@ -57,13 +58,19 @@ def run_worker(settings: Settings) -> None:
         kernels.reason,
     )
     ops = None
+    floor = ""
+    if settings.exact:
+        at, said = keep_decode_untiled()
+        floor = f", {TILED_FLOOR}={at}"
+        if patched_build():
+            log.info("%s: llama.cpp's tiled K-quant product takes calls of %d columns or "
+                     "more (prompt chunks), narrower ones the one-column product (every "
+                     "decode width below it)", said, at)  # fmt: skip
+        else:
+            log.warning("%s is set, but this llama.cpp is not the build parkq installs "
+                        "(python -m tools.llamapatch ensure) and ignores it: on x86 its tiled "
+                        "K-quant product takes over from 8 columns", said)  # fmt: skip
     if settings.exact and settings.max_seqs > 1:
-        floor = keep_decode_untiled(settings.max_seqs)
-        if floor is not None:
-            log.info("%s=%d: in parkq's llama.cpp build the tiled K-quant product takes "
-                     "calls of %d columns or more (prompts), every decode width the "
-                     "one-column product; the op check below says what this build does",
-                     TILED_FLOOR, floor, floor)  # fmt: skip
         ops = exact_kernels(settings, settings.n_ctx,
                             gpu=device_key(settings.n_gpu_layers) != "CPU")  # fmt: skip
         log.info("per-op batching check: %s", ops.how)
@@ -143,7 +150,7 @@ def run_worker(settings: Settings) -> None:
             settings.max_seqs,
             engine.speedup(settings.max_seqs),
         )
-    exactness += f" ({build_info().split(';', 1)[0]})"  # which llama.cpp, patched or stock
+    exactness += f" ({build_info().split(';', 1)[0]}{floor})"  # which llama.cpp, patched or stock
     identity = identify(
         model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir,
         device=engine.device, exactness=exactness,

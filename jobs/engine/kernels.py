@@ -44,6 +44,7 @@ __all__ = [
     "exact_kernels",
     "invariant_batch_size",
     "keep_decode_untiled",
+    "patched_build",
     "peer_server_command",
     "probe_command",
     "worker_kernels",
@@ -271,17 +272,42 @@ class OpChoice:
     complete: bool = False
 
 
-def keep_decode_untiled(widest: int) -> int | None:
-    """Raise the tiled product's floor above ``widest`` (the most sequences one
-    decode call takes), so that every decode width takes the one-column product
-    and prompt-wide products stay tiled; before llama.cpp's first matrix product
-    in this process (it reads the floor once), and for the check's child, which
-    inherits it. An operator's own setting is kept. The floor it set, or None."""
-    if TILED_FLOOR in os.environ:
-        return None
-    floor = max(TILED_STOCK_FLOOR, widest + 1)
-    os.environ[TILED_FLOOR] = str(floor)
-    return floor
+#: The floor every exact-mode worker sets, whatever its width: one value for all
+#: of them, because a prompt chunk narrower than the floor takes the one-column
+#: product and a wider one the tiled product, so two workers with other floors
+#: would prefill some prompts otherwise, and a job replayed from one on the
+#: other would diverge. Decode calls of up to 16 sequences stay under it; a
+#: worker of more sequences gets 16 per call on K-quant weights (the op check
+#: refuses 17). Prompt chunks of 8 to 16 tokens pay the one-column product.
+EXACT_TILED_FLOOR = 17
+
+
+def keep_decode_untiled() -> tuple[int, str]:
+    """Set the tiled product's floor to :data:`EXACT_TILED_FLOOR` (before
+    llama.cpp's first matrix product in this process, which reads it once; the
+    check's child inherits it), so that every decode width up to 16 takes the
+    one-column product and prompts the tiled one. An operator's own value is
+    kept. The floor in force, and what to say about it."""
+    given = os.environ.get(TILED_FLOOR)
+    if given is not None:
+        try:
+            if int(given) > 0:
+                return int(given), f"{TILED_FLOOR}={given}, the operator's"
+        except ValueError:
+            pass
+        why = f"{TILED_FLOOR}={given!r} is not a whole number above 0 (llama.cpp ignores it): "
+    else:
+        why = ""
+    os.environ[TILED_FLOOR] = str(EXACT_TILED_FLOOR)
+    return EXACT_TILED_FLOOR, why + f"{TILED_FLOOR}={EXACT_TILED_FLOOR}"
+
+
+def patched_build() -> bool:
+    """Whether this process's llama.cpp is the one parkq installs (tools/llamapatch),
+    which honours :data:`TILED_FLOOR`."""
+    from jobs.engine.llama import build_info
+
+    return "+parkq." in build_info().split(";", 1)[0]
 
 
 def opcheck_command(model: str, widths: int, n_ctx: int, threads: int | None,

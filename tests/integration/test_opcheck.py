@@ -25,7 +25,13 @@ import pytest
 
 from jobs.engine import opcheck
 from jobs.engine.ggmlapi import Device, Ggml
-from jobs.engine.kernels import TILED_FLOOR, TILED_SWITCH, exact_kernels, keep_decode_untiled
+from jobs.engine.kernels import (
+    EXACT_TILED_FLOOR,
+    TILED_FLOOR,
+    TILED_SWITCH,
+    exact_kernels,
+    keep_decode_untiled,
+)
 from jobs.engine.llama import LlamaEngine, build_info, device_key, library_dir
 from jobs.engine.testmodel import write_kquant_model, write_test_model
 from scheduler.settings import Settings
@@ -165,13 +171,20 @@ def test_the_worker_s_check_certifies_what_its_kernels_allow_and_names_the_switc
     monkeypatch.setattr(subprocess, "run", no_child)
     assert exact_kernels(settings, 1024, gpu=False) == default
     monkeypatch.undo()
-    # What the worker does (tools/worker_process.py): the floor above 8 sequences.
-    assert keep_decode_untiled(8) == 9 and os.environ[TILED_FLOOR] == "9"
+    # What the worker does (tools/worker_process.py): the one floor of every exact
+    # worker, whatever its width.
+    assert keep_decode_untiled() == (17, "GGML_CPU_TILED_MM_MIN_ROWS=17")
     floored = exact_kernels(settings, 1024, gpu=False)
     assert (floored.size, floored.hint) == (8, "")
     assert "every width up to 8 agrees" in floored.how
-    # An operator's own floor is kept.
-    assert keep_decode_untiled(16) is None and os.environ[TILED_FLOOR] == "9"
+    # Wider than the floor: 16 per call, and the tiled product named.
+    wide = exact_kernels(settings.model_copy(update={"max_seqs": 18}), 1024, gpu=False)
+    assert wide.size == (16 if TILED_BUILT else 18), wide.how
+    # An operator's own floor is kept; one llama.cpp would ignore is not.
+    os.environ[TILED_FLOOR] = "9"
+    assert keep_decode_untiled() == (9, "GGML_CPU_TILED_MM_MIN_ROWS=9, the operator's")
+    os.environ[TILED_FLOOR] = "0"
+    assert keep_decode_untiled()[0] == 17 and os.environ[TILED_FLOOR] == "17"
     os.environ.pop(TILED_FLOOR)
     # The operator turns the tiled product off: every width agrees, nothing to hint.
     os.environ[TILED_SWITCH] = "0"
@@ -191,9 +204,9 @@ def test_eight_sequences_past_1000_positions_get_their_logits_alone_at_the_certi
     a width it refuses (the tiled product on, where it is built) does not."""
     settings = Settings(model=str(kquant_model), max_seqs=8, cache_dir=str(tmp_path))
     # The worker's setting: prompts prefilled by the tiled product, decode widths not.
-    os.environ[TILED_FLOOR] = "9"
+    os.environ[TILED_FLOOR] = str(EXACT_TILED_FLOOR)
     assert exact_kernels(settings, 1200, gpu=False).size == 8
-    run = _width_run(kquant_model, 8, 1030, **{TILED_FLOOR: "9"})
+    run = _width_run(kquant_model, 8, 1030, **{TILED_FLOOR: str(EXACT_TILED_FLOOR)})
     assert run == {"equal": True, "positions": 1030 + 16 * 7 + 6}
     os.environ.pop(TILED_FLOOR)
     # The tiled product off altogether.

@@ -161,6 +161,8 @@ def _wheels(dest: Path) -> None:
          *pins],
         check=True,
     )  # fmt: skip
+    for old in dest.glob("llama_cpp_python-*.whl"):  # a kit's earlier build
+        old.unlink()
     shutil.copy2(llamapatch.wheel(), dest)  # the build scripts/env.sh installs, patched
     for wheel in dest.glob("llama_cpp_python-*.whl"):
         _without_libraries(wheel)
@@ -287,7 +289,11 @@ def pack(kit: Path, dest: Path) -> Path:
 def source(kit: Path) -> Path:
     """``kit/llama.cpp.tar.xz``, made from the installed version's sdist unless there."""
     target = kit / "llama.cpp.tar.xz"
-    if target.exists():
+    # Which patch series the tarball holds: a kit prepared before a change of
+    # the series is made again (its wheel says which build it is).
+    stamp = kit / "llama.cpp.series"
+    series = " ".join([llamapatch.label(), *(p.name for p in llamapatch.patches())])
+    if target.exists() and stamp.exists() and stamp.read_text() == series:
         return target
     kit.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="parkq-sdist-") as tmp:
@@ -295,6 +301,7 @@ def source(kit: Path) -> Path:
         work = Path(tmp)
         trimmed_source(patched_sdist(_sdist(llamapatch.BASE_VERSION, work), work), partial)
         partial.replace(target)
+    stamp.write_text(series)
     return target
 
 

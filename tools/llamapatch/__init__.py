@@ -20,6 +20,7 @@ it before parkq and its dependencies are installed.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import os
 import shutil
@@ -56,15 +57,29 @@ def base_version(version: str) -> str:
     return version.split("+", 1)[0]
 
 
+#: A line each patch adds (checked after applying: a tool that reports success
+#: without patching cannot pass).
+_ADDS = {"0001-cpu-tiled-min-rows.patch": ("ggml/src/ggml-cpu/tiled/tiled.cpp",
+                                          "GGML_CPU_TILED_MM_MIN_ROWS")}  # fmt: skip
+
+
 def apply(llama_cpp_dir: Path) -> None:
     """Apply the series to a llama.cpp source tree (the sdist's ``vendor/llama.cpp``)."""
     for patch in patches():
-        tool = (["git", "apply", "--whitespace=nowarn", str(patch)] if shutil.which("git")
-                else ["patch", "-p1", "--batch", "--forward", "-i", str(patch)])  # fmt: skip
+        if shutil.which("git"):
+            tool = ["git", "apply", "--whitespace=nowarn", str(patch)]
+        elif shutil.which("patch"):
+            tool = ["patch", "-p1", "--batch", "--forward", "-i", str(patch)]
+        else:
+            raise RuntimeError("applying llama.cpp patches needs git or patch (Debian: "
+                               "apt-get install git)")  # fmt: skip
         done = subprocess.run(tool, cwd=llama_cpp_dir, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{patch.name} does not apply to {llama_cpp_dir}: "
                                f"{(done.stderr or done.stdout).strip()}")  # fmt: skip
+        path, added = _ADDS[patch.name]
+        if added not in (llama_cpp_dir / path).read_text():
+            raise RuntimeError(f"{patch.name} reported applied, but {path} lacks {added}")
 
 
 def _cache_root() -> Path:
@@ -78,8 +93,24 @@ def _key() -> str:
     for p in patches():
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     h.update(f"{label()}\0{sys.implementation.cache_tag}\0{sysconfig.get_platform()}".encode())
-    h.update(os.environ.get("CMAKE_ARGS", "").encode())
+    cmake_args = os.environ.get("CMAKE_ARGS", "")
+    h.update(cmake_args.encode())
+    if "GGML_NATIVE=OFF" not in cmake_args.replace("-D", ""):
+        # llama.cpp builds for this CPU by default: a cache shared between
+        # machines must not hand one CPU's build to another.
+        h.update(_cpu_flags().encode())
     return h.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return sysconfig.get_platform()
 
 
 def _pip(*args: str, **kw: object) -> None:
@@ -87,11 +118,17 @@ def _pip(*args: str, **kw: object) -> None:
 
 
 def wheel(cache: Path | None = None) -> Path:
-    """The patched wheel for this Python, built once and cached."""
+    """The patched wheel for this Python, built once and cached (one build at a
+    time per cache: a second process waits for the first one's wheel)."""
     folder = (cache or _cache_root()) / "wheels" / f"llama-cpp-python-{label()}-{_key()}"
-    built = sorted(folder.glob("llama_cpp_python-*.whl"))
-    if built:
-        return built[0]
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        built = sorted(folder.glob("llama_cpp_python-*.whl"))
+        return built[0] if built else _build(folder)
+
+
+def _build(folder: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="parkq-llama-") as tmp:
         work = Path(tmp)
         _pip("download", "--quiet", "--no-deps", "--no-binary", ":all:", "-d", str(work),
@@ -112,9 +149,7 @@ def wheel(cache: Path | None = None) -> Path:
               file=sys.stderr)  # fmt: skip
         _pip("wheel", "--quiet", "--no-deps", "-w", str(out), str(src))
         (made,) = out.glob("llama_cpp_python-*.whl")
-        partial = folder.with_name(folder.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+        partial = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
         shutil.copy2(made, partial / made.name)
         shutil.rmtree(folder, ignore_errors=True)
         partial.rename(folder)
@@ -129,11 +164,23 @@ def installed() -> str | None:
         return None
 
 
+def _stamp() -> Path:
+    """Where this Python records which patched build it installed (its key)."""
+    return Path(sys.prefix) / ".parkq-llamapatch"
+
+
 def ensure() -> None:
-    """Install the patched build into this Python unless it is there already."""
-    if installed() == label():
+    """Install the patched build into this Python unless that very build (same
+    patches, CMake arguments and CPU) is there already."""
+    stamp = _stamp()
+    try:
+        same = installed() == label() and stamp.read_text().strip() == _key()
+    except OSError:
+        same = False
+    if same:
         return
     _pip("install", "--quiet", "--no-deps", "--force-reinstall", str(wheel()))
+    stamp.write_text(_key() + "\n")
 
 
 def main() -> None:
