@@ -1,12 +1,13 @@
 """A child process for the width tests: ``python -m tests.widthrun MODEL WIDTH
-POSITIONS`` fills WIDTH sequences with text to about POSITIONS each (chunks of
+POSITIONS [flash]`` fills WIDTH sequences with text to about POSITIONS each (chunks of
 fixed boundaries, calls of their own), then decodes a few steps of each alone
 and the same steps of all of them in one call per step, and prints as JSON
-whether every logit agreed, bit for bit. On the CPU (what the K-quant tests
-check), whatever the build.
+whether every logit agreed, bit for bit (``flash``: with flash attention). On
+the CPU (what the K-quant tests check), whatever the build.
 
 A process of its own: llama.cpp reads its kernel switches (``GGML_CPU_TILED_MM``)
-once per process, so each setting needs a fresh one.
+once per process, so each setting needs a fresh one. Two threads, whatever the
+machine: flash attention's split of a lone sequence's cells needs two.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ STEPS = 6
 N_BATCH = 256
 
 
-def run(model: str, width: int, positions: int) -> dict[str, object]:
+def run(model: str, width: int, positions: int, flash: bool = False) -> dict[str, object]:
     engine = LlamaEngine(model, n_ctx=positions + 64 + 16 * width + STEPS, n_batch=N_BATCH,
-                         n_seq_max=width, extra_buffers=False, n_gpu_layers=0)  # fmt: skip
+                         n_seq_max=width, extra_buffers=False, n_gpu_layers=0, n_threads=2,
+                         flash_attn=flash)  # fmt: skip
     text = engine.tokenize("Each sequence reads its own part of this long and winding text. ")
     length = {s: positions + 16 * s for s in range(width)}
 
@@ -50,4 +52,5 @@ def run(model: str, width: int, positions: int) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
+    flash = sys.argv[4:] == ["flash"]
+    print(json.dumps(run(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), flash)))

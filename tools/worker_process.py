@@ -16,8 +16,9 @@ from jobs.engine.kernels import (
     TILED_FLOOR,
     exact_kernels,
     invariant_batch_size,
+    keep_attention_unsplit,
     keep_decode_untiled,
-    patched_build,
+    patch_level,
     worker_kernels,
 )
 from jobs.engine.llama import LlamaEngine, NotRepeatable, build_info, device_key
@@ -62,7 +63,7 @@ def run_worker(settings: Settings) -> None:
     if settings.exact:
         at, said = keep_decode_untiled()
         floor = f", {TILED_FLOOR}={at}"
-        if patched_build():
+        if patch_level() >= 1:
             log.info("%s: llama.cpp's tiled K-quant product takes calls of %d columns or "
                      "more (prompt chunks), narrower ones the one-column product (every "
                      "decode width below it)", said, at)  # fmt: skip
@@ -70,9 +71,19 @@ def run_worker(settings: Settings) -> None:
             log.warning("%s is set, but this llama.cpp is not the build parkq installs "
                         "(python -m tools.llamapatch ensure) and ignores it: on x86 its tiled "
                         "K-quant product takes over from 8 columns", said)  # fmt: skip
+    gpu = device_key(settings.n_gpu_layers) != "CPU"
+    flash = False
+    if settings.exact:
+        flash, said = keep_attention_unsplit(gpu)
+        log.info("%s", said)
     if settings.exact and settings.max_seqs > 1:
-        ops = exact_kernels(settings, settings.n_ctx,
-                            gpu=device_key(settings.n_gpu_layers) != "CPU")  # fmt: skip
+        ops = exact_kernels(settings, settings.n_ctx, gpu=gpu, flash=flash)
+        if flash and ops.size < settings.max_seqs:
+            plain = exact_kernels(settings, settings.n_ctx, gpu=gpu)
+            if plain.size > ops.size:
+                log.info("flash attention off after all: the check certified %d per call "
+                         "with it (%s), %d without", ops.size, ops.how, plain.size)  # fmt: skip
+                flash, ops = False, plain
         log.info("per-op batching check: %s", ops.how)
         if ops.hint:
             log.info("%s", ops.hint)
@@ -87,6 +98,7 @@ def run_worker(settings: Settings) -> None:
             extra_buffers=kernels.extra_buffers,
             n_gpu_layers=settings.n_gpu_layers,
             exact=settings.exact,
+            flash_attn=flash,
         )
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(f"cannot load the model {settings.model}: {exc}") from None
@@ -150,7 +162,9 @@ def run_worker(settings: Settings) -> None:
             settings.max_seqs,
             engine.speedup(settings.max_seqs),
         )
-    exactness += f" ({build_info().split(';', 1)[0]}{floor})"  # which llama.cpp, patched or stock
+    attention = ", flash attention" if engine.flash_attn else ", no flash attention"
+    # Which llama.cpp (patched or stock), its floor and attention.
+    exactness += f" ({build_info().split(';', 1)[0]}{floor}{attention})"
     identity = identify(
         model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir,
         device=engine.device, exactness=exactness,

@@ -14,9 +14,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Device", "Ggml"]
+__all__ = ["PREC_F32", "Device", "Ggml"]
 
 F32, F16 = 0, 1
+#: enum ggml_prec: accumulate in F32 (what llama.cpp asks of its attention)
+PREC_F32 = 10
 #: enum ggml_backend_dev_type
 _CPU, _GPU, _IGPU = 0, 1, 2
 
@@ -51,6 +53,9 @@ class Ggml:
         self.mul_mat = fn(base, "ggml_mul_mat", p, p, p, p)
         self.soft_max_ext = fn(base, "ggml_soft_max_ext", p, p, p, p, ctypes.c_float,
                                ctypes.c_float)  # fmt: skip
+        f = ctypes.c_float
+        self.flash_attn_ext = fn(base, "ggml_flash_attn_ext", p, p, p, p, p, p, f, f, f)
+        self.prec_set_acc = fn(base, "ggml_prec_set_acc", ctypes.c_bool, p, ctypes.c_int)
         self.permute = fn(base, "ggml_permute", p, p, p, ctypes.c_int, ctypes.c_int,
                           ctypes.c_int, ctypes.c_int)  # fmt: skip
         self.view_4d = fn(base, "ggml_view_4d", p, p, p, i64, i64, i64, i64, sz, sz, sz, sz)

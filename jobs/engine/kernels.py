@@ -43,8 +43,9 @@ __all__ = [
     "choose_kernels",
     "exact_kernels",
     "invariant_batch_size",
+    "keep_attention_unsplit",
     "keep_decode_untiled",
-    "patched_build",
+    "patch_level",
     "peer_server_command",
     "probe_command",
     "worker_kernels",
@@ -206,7 +207,8 @@ def invariant_batch_size(engine: LlamaEngine, limit: int, cache_dir: str | None)
 
     shape = (f"batch {limit} threads {engine.n_threads} ctx {engine.n_ctx} "
              f"seqs {engine.n_seq_max} n_batch {engine.n_batch} device {engine.device} "
-             f"exact {engine.exact} env {kernel_environment()}")  # fmt: skip
+             f"exact {engine.exact} flash {engine.flash_attn} "
+             f"env {kernel_environment()}")  # fmt: skip
     key = _cache_key(engine.path, f"{build_info()}\n{shape}\n{engine.extra_buffers}")
     path = _cache_path(cache_dir, key)
     try:
@@ -302,22 +304,49 @@ def keep_decode_untiled() -> tuple[int, str]:
     return EXACT_TILED_FLOOR, why + f"{TILED_FLOOR}={EXACT_TILED_FLOOR}"
 
 
-def patched_build() -> bool:
-    """Whether this process's llama.cpp is the one parkq installs (tools/llamapatch),
-    which honours :data:`TILED_FLOOR`."""
+#: The switch of flash attention's KV split in parkq's llama.cpp
+#: (tools/llamapatch/0002-cpu-fa-split-kv-switch.patch; stock: always split).
+FA_SPLIT_SWITCH = "GGML_CPU_FA_SPLIT_KV"
+
+
+def keep_attention_unsplit(gpu: bool) -> tuple[bool, str]:
+    """Whether an exact worker may run flash attention: on a CPU with parkq's
+    llama.cpp, whose switch turns off the split of a lone sequence's KV cells
+    across threads (set here before llama.cpp's first attention in this
+    process; the check's child inherits it). Not on a GPU (its flash attention
+    kernels are not checked here), not on a stock build, and not where the
+    operator set the switch on. Whether, and why (for the log)."""
+    if gpu:
+        return False, "flash attention off: exact mode on a GPU keeps the plain attention"
+    if patch_level() < 2:
+        return False, "flash attention off: this llama.cpp cannot turn its KV split off"
+    given = os.environ.get(FA_SPLIT_SWITCH)
+    if given is not None and given.strip() != "0":
+        return False, f"flash attention off: {FA_SPLIT_SWITCH}={given} (the operator's)"
+    os.environ[FA_SPLIT_SWITCH] = "0"
+    return True, f"flash attention on, {FA_SPLIT_SWITCH}=0 (no split of one sequence's cells)"
+
+
+def patch_level() -> int:
+    """Which of parkq's llama.cpp patches this process's llama.cpp carries
+    (tools/llamapatch: ``0.3.36+parkq.N`` carries the first N; 0: stock)."""
     from jobs.engine.llama import build_info
 
-    return "+parkq." in build_info().split(";", 1)[0]
+    version = build_info().split(";", 1)[0]
+    _, _, level = version.partition("+parkq.")
+    return int(level) if level.isdigit() else 0
 
 
 def opcheck_command(model: str, widths: int, n_ctx: int, threads: int | None,
-                    gpu: bool) -> list[str]:  # fmt: skip
+                    gpu: bool, flash: bool = False) -> list[str]:  # fmt: skip
     """The per-op check in a fresh interpreter (llama.cpp reads its kernel switches
     once per process)."""
     cmd = [sys.executable, "-m", "jobs.engine.opcheck", model, "--widths", str(widths),
            "--ctx", str(n_ctx), "--json"]  # fmt: skip
     if threads:
         cmd += ["--threads", str(threads)]
+    if flash:
+        cmd += ["--flash-attn"]
     return [*cmd, "--gpu"] if gpu else cmd
 
 
@@ -363,6 +392,7 @@ def exact_kernels(
     n_ctx: int,
     *,
     gpu: bool,
+    flash: bool = False,
     timeout: float = OPCHECK_TIMEOUT_SECONDS,
 ) -> OpChoice:
     """Certify, op by op, how many sequences one decode call may take for every
@@ -381,9 +411,9 @@ def exact_kernels(
     limit = settings.max_seqs or 1
     model = settings.model or ""
     threads = settings.n_threads or len(os.sched_getaffinity(0))  # what the engine takes
-    command = opcheck_command(model, limit, n_ctx, threads, gpu)
+    command = opcheck_command(model, limit, n_ctx, threads, gpu, flash)
     shape = (f"opcheck {VERSION} widths {limit} ctx {n_ctx} threads {threads} "
-             f"env {kernel_environment()}")  # fmt: skip
+             f"flash {flash} env {kernel_environment()}")  # fmt: skip
     key = _cache_key(model, f"{build_info()}\n{device_key(settings.n_gpu_layers)}\n{shape}")
     verdict = _opcheck(command, _cache_path(settings.cache_dir, key), timeout)
     size = max(1, min(limit, int(verdict.get("size", 1))))

@@ -489,10 +489,14 @@ class LlamaEngine(Vocab):
         extra_buffers: bool = True,
         n_gpu_layers: int | None = None,
         exact: bool = True,
+        flash_attn: bool = False,
     ) -> None:
         #: Kernels that give a sequence the same logits alone and beside others
         #: (False: llama.cpp's fastest, flash attention included).
         self.exact = exact
+        #: Flash attention in exact mode (where the worker's op check certified
+        #: it, with llama.cpp's KV split off: jobs/engine/kernels.py).
+        self.flash_attn = flash_attn or not exact
         #: The n_gpu_layers llama.cpp was given (-1: all) (see :func:`gpu_layers`).
         self.n_gpu_layers = gpu_layers(n_gpu_layers)
         super().__init__(path, chat_format, vocab_only=False, extra_buffers=extra_buffers,
@@ -506,14 +510,18 @@ class LlamaEngine(Vocab):
         params.n_seq_max = n_seq_max
         params.kv_unified = False
         params.swa_full = True
-        # No flash attention: for one sequence decoded alone with 512 or more KV
-        # cells, llama.cpp's CPU flash attention splits the cells into one chunk
-        # per thread and merges the partial sums, which rounds otherwise than the
-        # unsplit path a batch of sequences takes (and otherwise for each thread
-        # count). The plain attention gives a sequence the same logits alone,
-        # beside others and on any number of threads (tests/integration/test_batching.py).
-        fa = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED, llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
-        params.flash_attn_type = fa[0] if exact else fa[1]  # PARKQ_EXACT off: the fastest
+        # Exact mode takes flash attention only when asked (``flash_attn``): for
+        # one sequence decoded alone with 512 or more KV cells, stock llama.cpp's
+        # CPU flash attention splits the cells into one chunk per thread and
+        # merges the partial sums, which rounds otherwise than the unsplit path a
+        # batch of sequences takes (and otherwise for each thread count); parkq's
+        # build can turn the split off (GGML_CPU_FA_SPLIT_KV=0). The plain
+        # attention gives a sequence the same logits alone, beside others and on
+        # any number of threads (tests/integration/test_batching.py).
+        fa = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED, llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+              llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO)  # fmt: skip
+        # PARKQ_EXACT off: the fastest llama.cpp picks.
+        params.flash_attn_type = (fa[1] if flash_attn else fa[0]) if exact else fa[2]
         # llama.cpp's default (4 threads) oversubscribes small machines: use the cores.
         threads = n_threads or len(os.sched_getaffinity(0))
         params.n_threads = threads

@@ -20,9 +20,10 @@ What it checks:
   K-quant product from 8 columns, repacked weights from 4, llamafile's sgemm from
   2); on CUDA the quantized matrix-vector kernels up to 8 columns and the
   matrix-matrix ones past them.
-- **attention** (no flash attention, as parkq's exact mode runs it): Q·Kᵀ,
-  the masked softmax and the product with the transposed V cache, at the model's
-  head sizes, one KV stream per sequence (as parkq's engine keeps them), each
+- **attention** as the engine runs it: without flash attention, Q·Kᵀ, the
+  masked softmax and the product with the transposed V cache; with it
+  (``--flash-attn``), llama.cpp's ``flash_attn_ext`` over the untransposed
+  caches. At the model's head sizes, one KV stream per sequence (as parkq's engine keeps them), each
   stream with data of its own. Every sequence of a call is compared with itself
   alone (its cells padded to its own length, to 256 as llama.cpp pads them): a
   length on each side of every 256-cell boundary beside a sequence reaching
@@ -56,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from jobs.engine.ggmlapi import F16, F32, Device, Ggml
+from jobs.engine.ggmlapi import F16, F32, PREC_F32, Device, Ggml
 
 __all__ = ["VERSION", "OpResult", "OpVerdict", "check_model", "check_ops", "main", "weight_shapes"]
 
@@ -355,6 +356,7 @@ def check_attention(
     widths: int,
     rng: np.random.Generator,
     seconds: float = ATTENTION_SECONDS,
+    flash: bool = False,
 ) -> OpResult:
     """Every sequence of every arrangement (:func:`attention_arrangements`)
     against the same sequence alone (its cells padded to its own length), bit for
@@ -362,7 +364,8 @@ def check_attention(
     the narrowest width that differed, and the KV cells up to which every
     arrangement was checked."""
     t0 = time.perf_counter()
-    name = (f"attention K·Q, softmax, V (head {a.head_dim_k}/{a.head_dim_v}, {a.n_head} heads, "
+    kind = "flash attention" if flash else "attention K·Q, softmax, V"
+    name = (f"{kind} (head {a.head_dim_k}/{a.head_dim_v}, {a.n_head} heads, "
             f"{a.n_head_kv} KV heads, F16 cache)")  # fmt: skip
     data = _Streams(a, n_ctx, rng)
     groups: dict[int, list[list[int]]] = {}
@@ -375,10 +378,10 @@ def check_attention(
         if cells and time.perf_counter() - t0 > seconds:
             break  # out of time: every arrangement up to ``cells`` was checked
         for lengths in groups[span]:
-            got = _attend(dev, a, data, lengths, range(len(lengths)))
+            got = _attend(dev, a, data, lengths, range(len(lengths)), flash=flash)
             for s, length in enumerate(lengths):
                 if (s, length) not in alone:
-                    alone[(s, length)] = _attend(dev, a, data, [length], [s])[0]
+                    alone[(s, length)] = _attend(dev, a, data, [length], [s], flash=flash)[0]
                 found = _first_difference(alone[(s, length)][None], got[s][None])
                 if found is not None and (first is None or len(lengths) < first[0]):
                     where = f"sequence {s} of length {length} in a call of lengths {lengths}"
@@ -391,11 +394,14 @@ def check_attention(
 
 
 def _attend(dev: Device, a: AttentionShape, data: _Streams, lengths: Sequence[int],
-            streams: Sequence[int]) -> np.ndarray:  # fmt: skip
+            streams: Sequence[int], *, flash: bool = False) -> np.ndarray:  # fmt: skip
     """One decode call's attention for ``len(lengths)`` sequences (one token each,
     one KV stream each, stream ``streams[i]``'s data), llama.cpp's graph without
-    flash attention: the caches' views over ``n_kv`` cells (the longest length,
-    padded), a mask hiding each stream's cells past its length."""
+    flash attention (or with it: ``flash``): the caches' views over ``n_kv``
+    cells (the longest length, padded), a mask hiding each stream's cells past
+    its length."""
+    if flash:
+        return _attend_flash(dev, a, data, lengths, streams)
     g = dev.g
     ns = len(lengths)
     n_kv = _pad(max(lengths))
@@ -437,6 +443,49 @@ def _attend(dev: Device, a: AttentionShape, data: _Streams, lengths: Sequence[in
         g.free(ctx)
 
 
+def _attend_flash(dev: Device, a: AttentionShape, data: _Streams, lengths: Sequence[int],
+                  streams: Sequence[int]) -> np.ndarray:  # fmt: skip
+    """:func:`_attend` as llama.cpp builds it with flash attention
+    (``build_attn_mha``): one ``flash_attn_ext`` over the K and V caches' views
+    (V not transposed), an F16 mask, F32 accumulation."""
+    g = dev.g
+    ns = len(lengths)
+    n_kv = _pad(max(lengths))
+    kv_size = data.cells if dev.gpu else n_kv
+    ctx = dev.context(12)
+    try:
+        dk, dv, nh, nkv = a.head_dim_k, a.head_dim_v, a.n_head, a.n_head_kv
+        h = 2  # sizeof(f16)
+        kc = g.new_4d(ctx, F16, dk * nkv, kv_size, ns, 1)
+        vc = g.new_4d(ctx, F16, dv * nkv, kv_size, ns, 1)
+        qt = g.new_4d(ctx, F32, dk, nh, 1, ns)
+        mask = g.new_4d(ctx, F16, n_kv, 1, 1, ns)
+        kview = g.view_4d(ctx, kc, dk, nkv, n_kv, ns, dk * h, dk * nkv * h,
+                          dk * nkv * kv_size * h, 0)  # fmt: skip
+        vview = g.view_4d(ctx, vc, dv, nkv, n_kv, ns, dv * h, dv * nkv * h,
+                          dv * nkv * kv_size * h, 0)  # fmt: skip
+        kp = g.permute(ctx, kview, 0, 2, 1, 3)  # [dk, n_kv, nkv, ns]
+        vp = g.permute(ctx, vview, 0, 2, 1, 3)  # [dv, n_kv, nkv, ns]
+        qp = g.permute(ctx, qt, 0, 2, 1, 3)  # [dk, 1, nh, ns]
+        out = g.flash_attn_ext(ctx, qp, kp, vp, mask, 1.0 / float(np.sqrt(dk)), 0.0, 0.0)
+        g.prec_set_acc(out, PREC_F32)
+        buf = dev.upload(ctx)
+        try:
+            dev.put(kc, np.stack([data.k_of(s, kv_size) for s in streams]))
+            dev.put(vc, np.stack([data.v_of(s, kv_size).T for s in streams]))
+            dev.put(qt, np.stack([data.q_of(s) for s in streams]))
+            m = np.zeros((ns, n_kv), dtype=np.float16)
+            for s, length in enumerate(lengths):
+                m[s, length:] = -np.inf
+            dev.put(mask, m)
+            dev.compute(ctx, out)
+            return dev.get(out, (ns, nh, dv))  # [dv, nh, 1, ns]
+        finally:
+            g.buffer_free(buf)
+    finally:
+        g.free(ctx)
+
+
 def check_ops(
     weights: Sequence[tuple[WeightShape, Any]],
     attention: AttentionShape | None,
@@ -448,6 +497,7 @@ def check_ops(
     seed: int = 0,
     seconds: float = ATTENTION_SECONDS,
     uncovered: Sequence[str] = (),
+    flash: bool = False,
 ) -> OpVerdict:
     """Check ``weights`` (each with its bytes) and ``attention`` at widths
     1..``widths`` and KV lengths up to ``n_ctx`` (within ``seconds``) on the CPU
@@ -460,7 +510,7 @@ def check_ops(
     try:
         ops = [check_matmul(dev, w, data, widths, rng) for w, data in weights]
         if attention is not None:
-            ops.append(check_attention(dev, attention, n_ctx, widths, rng, seconds))
+            ops.append(check_attention(dev, attention, n_ctx, widths, rng, seconds, flash))
     finally:
         dev.close()
     return OpVerdict(dev.name, widths, n_ctx, ops, time.perf_counter() - t0, list(uncovered))
@@ -481,9 +531,11 @@ def check_model(
     gpu: bool = False,
     threads: int | None = None,
     seconds: float = ATTENTION_SECONDS,
+    flash: bool = False,
 ) -> OpVerdict:
     """:func:`check_ops` over the products and attention of the model file ``model``
-    (``n_ctx`` 0: its training context, as llama.cpp takes 0)."""
+    (``n_ctx`` 0: its training context, as llama.cpp takes 0; ``flash``: the
+    attention as flash attention)."""
     shapes = weight_shapes(model)
     weights = [(w, _tensor_bytes(shapes.reader, w.example)) for w in shapes.weights]
     uncovered = []
@@ -494,8 +546,9 @@ def check_model(
         uncovered.append("the fused kernels a GPU backend may take for one sequence")
     # llama.cpp pads each sequence's context to a multiple of 256: check all of it.
     n_ctx = _pad(n_ctx or shapes.n_ctx_train)
-    return check_ops(weights, shapes.attention, widths=widths, n_ctx=n_ctx,
-                     gpu=gpu, threads=threads, seconds=seconds, uncovered=uncovered)  # fmt: skip
+    return check_ops(weights, shapes.attention, widths=widths, n_ctx=n_ctx, gpu=gpu,
+                     threads=threads, seconds=seconds, uncovered=uncovered,
+                     flash=flash)  # fmt: skip
 
 
 def _lines(verdict: OpVerdict) -> Iterator[str]:
@@ -520,6 +573,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="KV cells per sequence to reach (0: the model's training context)",
     )
     ap.add_argument("--gpu", action="store_true", help="check the first GPU, not the CPU")
+    ap.add_argument("--flash-attn", action="store_true",
+                    help="check flash attention (as an engine with it on runs)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
         "--seconds",
@@ -530,7 +585,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print only the JSON verdict")
     args = ap.parse_args(argv)
     verdict = check_model(args.model, widths=args.widths, n_ctx=args.ctx, gpu=args.gpu,
-                          threads=args.threads, seconds=args.seconds)  # fmt: skip
+                          threads=args.threads, seconds=args.seconds,
+                          flash=args.flash_attn)  # fmt: skip
     if not args.json:
         for line in _lines(verdict):
             print(line)

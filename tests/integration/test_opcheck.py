@@ -27,9 +27,11 @@ from jobs.engine import opcheck
 from jobs.engine.ggmlapi import Device, Ggml
 from jobs.engine.kernels import (
     EXACT_TILED_FLOOR,
+    FA_SPLIT_SWITCH,
     TILED_FLOOR,
     TILED_SWITCH,
     exact_kernels,
+    keep_attention_unsplit,
     keep_decode_untiled,
 )
 from jobs.engine.llama import LlamaEngine, build_info, device_key, library_dir
@@ -44,16 +46,19 @@ ON_GPU = device_key(None) != "CPU"
 
 
 def _child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in (TILED_SWITCH, TILED_FLOOR)}
+    env = {k: v for k, v in os.environ.items()
+           if k not in (TILED_SWITCH, TILED_FLOOR, FA_SPLIT_SWITCH)}  # fmt: skip
     return {**env, "PYTHONPATH": str(ROOT), **extra}
 
 
 def _opcheck(
-    model: Path, widths: int, ctx: int, *, gpu: bool = False, env: dict[str, str] | None = None
+    model: Path, widths: int, ctx: int, *, gpu: bool = False, env: dict[str, str] | None = None,
+    flash: bool = False,
 ) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-m", "jobs.engine.opcheck", str(model), "--widths", str(widths),
-         "--ctx", str(ctx), "--json", *(["--gpu"] if gpu else [])],
+         "--ctx", str(ctx), "--json", "--threads", "2", *(["--gpu"] if gpu else []),
+         *(["--flash-attn"] if flash else [])],
         capture_output=True, text=True, timeout=300, env=_child_env(**(env or {})), check=False,
     )  # fmt: skip
     assert done.stdout, done.stderr
@@ -62,9 +67,12 @@ def _opcheck(
     return verdict
 
 
-def _width_run(model: Path, width: int, positions: int, **env: str) -> dict[str, Any]:
+def _width_run(
+    model: Path, width: int, positions: int, flash: bool = False, **env: str
+) -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.widthrun", str(model), str(width), str(positions)],
+        [sys.executable, "-m", "tests.widthrun", str(model), str(width), str(positions),
+         *(["flash"] if flash else [])],
         capture_output=True, text=True, timeout=300, env=_child_env(**env), check=True,
     )  # fmt: skip
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -80,7 +88,7 @@ def kquant_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def clean_switch() -> Iterator[None]:
     """The tests set the switch and the floor in this process's environment
     (exact_kernels' child inherits them): put them back."""
-    before = {k: os.environ.pop(k, None) for k in (TILED_SWITCH, TILED_FLOOR)}
+    before = {k: os.environ.pop(k, None) for k in (TILED_SWITCH, TILED_FLOOR, FA_SPLIT_SWITCH)}
     yield
     for k, v in before.items():
         os.environ.pop(k, None)
@@ -154,6 +162,23 @@ def test_the_tiled_product_s_floor_keeps_every_decode_width_exact_and_prompts_ti
         assert at["size"] == 10
 
 
+def test_flash_attention_agrees_at_every_width_only_with_its_kv_split_off(
+    kquant_model: Path,
+) -> None:
+    """Stock llama.cpp splits a lone sequence's 512 or more cells across threads
+    (2 here) and no other call's: the check refuses width 2, in a call spanning 512.
+    With parkq's switch off (GGML_CPU_FA_SPLIT_KV=0) every width and KV length
+    agrees."""
+    split = _opcheck(kquant_model, 4, 1024, flash=True, env={FA_SPLIT_SWITCH: "1"})
+    (attention,) = [op for op in split["ops"] if op["name"].startswith("flash attention")]
+    assert attention["first_differs"] == 2, split
+    lengths = json.loads(attention["where"].split("in a call of lengths ")[1])
+    assert opcheck._pad(max(lengths)) >= 512 and split["size"] == 1  # the cells a call spans
+    unsplit = _opcheck(kquant_model, 4, 1024, flash=True, env={FA_SPLIT_SWITCH: "0"})
+    (attention,) = [op for op in unsplit["ops"] if op["name"].startswith("flash attention")]
+    assert attention["first_differs"] is None and attention["cells"] == 1024, unsplit
+
+
 def test_the_worker_s_check_certifies_what_its_kernels_allow_and_names_the_switch(
     kquant_model: Path, tmp_path: Path, clean_switch: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -208,7 +233,17 @@ def test_eight_sequences_past_1000_positions_get_their_logits_alone_at_the_certi
     assert exact_kernels(settings, 1200, gpu=False).size == 8
     run = _width_run(kquant_model, 8, 1030, **{TILED_FLOOR: str(EXACT_TILED_FLOOR)})
     assert run == {"equal": True, "positions": 1030 + 16 * 7 + 6}
+    # With flash attention, as the worker runs it where its check certifies it.
+    assert keep_attention_unsplit(False)[0] and os.environ[FA_SPLIT_SWITCH] == "0"
+    assert exact_kernels(settings, 1200, gpu=False, flash=True).size == 8
+    run = _width_run(kquant_model, 8, 1030, True, **{TILED_FLOOR: str(EXACT_TILED_FLOOR),
+                                                      FA_SPLIT_SWITCH: "0"})  # fmt: skip
+    assert run == {"equal": True, "positions": 1030 + 16 * 7 + 6}
+    # Stock llama.cpp's split: a lone sequence's cells are summed otherwise.
+    assert not _width_run(kquant_model, 8, 1030, True, **{TILED_FLOOR: str(EXACT_TILED_FLOOR),
+                                                          FA_SPLIT_SWITCH: "1"})["equal"]
     os.environ.pop(TILED_FLOOR)
+    os.environ.pop(FA_SPLIT_SWITCH)
     # The tiled product off altogether.
     os.environ[TILED_SWITCH] = "0"
     assert exact_kernels(settings, 1200, gpu=False).size == 8
@@ -225,8 +260,8 @@ def _planted(real: Any, width: int, span: int) -> Any:
     """``_attend`` with a kernel that changes at ``width`` sequences per call once a
     call spans ``span`` cells or more."""
 
-    def attend(dev: Any, a: Any, data: Any, lengths: Any, streams: Any) -> Any:
-        out = real(dev, a, data, lengths, streams)
+    def attend(dev: Any, a: Any, data: Any, lengths: Any, streams: Any, **kw: Any) -> Any:
+        out = real(dev, a, data, lengths, streams, **kw)
         if len(lengths) >= width and opcheck._pad(max(lengths)) >= span:
             out[0, 0, 0] = np.nextafter(out[0, 0, 0], np.float32(np.inf))
         return out

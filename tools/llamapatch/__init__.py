@@ -37,7 +37,7 @@ __all__ = ["BASE_VERSION", "apply", "ensure", "label", "patches", "wheel"]
 #: The llama-cpp-python release the patches are written against.
 BASE_VERSION = "0.3.36"
 #: Raised whenever a patch is added or changed (the local version label).
-PATCH_LEVEL = 1
+PATCH_LEVEL = 2
 
 HERE = Path(__file__).resolve().parent
 
@@ -59,8 +59,11 @@ def base_version(version: str) -> str:
 
 #: A line each patch adds (checked after applying: a tool that reports success
 #: without patching cannot pass).
-_ADDS = {"0001-cpu-tiled-min-rows.patch": ("ggml/src/ggml-cpu/tiled/tiled.cpp",
-                                          "GGML_CPU_TILED_MM_MIN_ROWS")}  # fmt: skip
+_ADDS = {
+    "0001-cpu-tiled-min-rows.patch": ("ggml/src/ggml-cpu/tiled/tiled.cpp",
+                                      "GGML_CPU_TILED_MM_MIN_ROWS"),
+    "0002-cpu-fa-split-kv-switch.patch": ("ggml/src/ggml-cpu/ops.cpp", "GGML_CPU_FA_SPLIT_KV"),
+}  # fmt: skip
 
 
 def apply(llama_cpp_dir: Path) -> None:
