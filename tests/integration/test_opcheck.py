@@ -52,7 +52,12 @@ def _child_env(**extra: str) -> dict[str, str]:
 
 
 def _opcheck(
-    model: Path, widths: int, ctx: int, *, gpu: bool = False, env: dict[str, str] | None = None,
+    model: Path,
+    widths: int,
+    ctx: int,
+    *,
+    gpu: bool = False,
+    env: dict[str, str] | None = None,
     flash: bool = False,
 ) -> dict[str, Any]:
     done = subprocess.run(
@@ -68,7 +73,7 @@ def _opcheck(
 
 
 def _width_run(
-    model: Path, width: int, positions: int, flash: bool = False, **env: str
+    model: Path, width: int, positions: int, env: dict[str, str], flash: bool = False
 ) -> dict[str, Any]:
     done = subprocess.run(
         [sys.executable, "-m", "tests.widthrun", str(model), str(width), str(positions),
@@ -231,29 +236,29 @@ def test_eight_sequences_past_1000_positions_get_their_logits_alone_at_the_certi
     # The worker's setting: prompts prefilled by the tiled product, decode widths not.
     os.environ[TILED_FLOOR] = str(EXACT_TILED_FLOOR)
     assert exact_kernels(settings, 1200, gpu=False).size == 8
-    run = _width_run(kquant_model, 8, 1030, **{TILED_FLOOR: str(EXACT_TILED_FLOOR)})
+    run = _width_run(kquant_model, 8, 1030, {TILED_FLOOR: str(EXACT_TILED_FLOOR)})
     assert run == {"equal": True, "positions": 1030 + 16 * 7 + 6}
     # With flash attention, as the worker runs it where its check certifies it.
     assert keep_attention_unsplit(False)[0] and os.environ[FA_SPLIT_SWITCH] == "0"
     assert exact_kernels(settings, 1200, gpu=False, flash=True).size == 8
-    run = _width_run(kquant_model, 8, 1030, True, **{TILED_FLOOR: str(EXACT_TILED_FLOOR),
-                                                      FA_SPLIT_SWITCH: "0"})  # fmt: skip
+    floor = str(EXACT_TILED_FLOOR)
+    run = _width_run(kquant_model, 8, 1030, {TILED_FLOOR: floor, FA_SPLIT_SWITCH: "0"}, True)
     assert run == {"equal": True, "positions": 1030 + 16 * 7 + 6}
     # Stock llama.cpp's split: a lone sequence's cells are summed otherwise.
-    assert not _width_run(kquant_model, 8, 1030, True, **{TILED_FLOOR: str(EXACT_TILED_FLOOR),
-                                                          FA_SPLIT_SWITCH: "1"})["equal"]
+    split = {TILED_FLOOR: floor, FA_SPLIT_SWITCH: "1"}
+    assert not _width_run(kquant_model, 8, 1030, split, True)["equal"]
     os.environ.pop(TILED_FLOOR)
     os.environ.pop(FA_SPLIT_SWITCH)
     # The tiled product off altogether.
     os.environ[TILED_SWITCH] = "0"
     assert exact_kernels(settings, 1200, gpu=False).size == 8
-    run = _width_run(kquant_model, 8, 1030, **{TILED_SWITCH: "0"})
+    run = _width_run(kquant_model, 8, 1030, {TILED_SWITCH: "0"})
     assert run == {"equal": True, "positions": 1030 + 16 * 7 + 6}
     if TILED_BUILT:
         os.environ[TILED_SWITCH] = "1"
         assert exact_kernels(settings, 1200, gpu=False).size == 7
-        assert not _width_run(kquant_model, 8, 1030, **{TILED_SWITCH: "1"})["equal"]
-        assert _width_run(kquant_model, 7, 1030, **{TILED_SWITCH: "1"})["equal"]
+        assert not _width_run(kquant_model, 8, 1030, {TILED_SWITCH: "1"})["equal"]
+        assert _width_run(kquant_model, 7, 1030, {TILED_SWITCH: "1"})["equal"]
 
 
 def _planted(real: Any, width: int, span: int) -> Any:
