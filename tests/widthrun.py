@@ -1,9 +1,10 @@
 """A child process for the width tests: ``python -m tests.widthrun MODEL WIDTH
-POSITIONS [flash]`` fills WIDTH sequences with text to about POSITIONS each (chunks of
-fixed boundaries, calls of their own), then decodes a few steps of each alone
-and the same steps of all of them in one call per step, and prints as JSON
-whether every logit agreed, bit for bit (``flash``: with flash attention). On
-the CPU (what the K-quant tests check), whatever the build.
+POSITIONS [flash]`` fills WIDTH sequences with text to about POSITIONS each
+(chunks of fixed boundaries, calls of their own), then decodes a few steps of
+each alone and the same steps of all of them in one call per step, and prints
+as JSON whether every logit agreed, bit for bit (``flash``: with flash
+attention). On the CPU (what the K-quant tests check), whatever the build.
+``python -m tests.widthrun MODEL alone POSITIONS THREADS``: :func:`alone`.
 
 A process of its own: llama.cpp reads its kernel switches (``GGML_CPU_TILED_MM``)
 once per process, so each setting needs a fresh one. Two threads, whatever the
@@ -51,6 +52,49 @@ def run(model: str, width: int, positions: int, flash: bool = False) -> dict[str
     return {"equal": True, "positions": max(length.values()) + STEPS}
 
 
+def alone(model: str, positions: int, threads: int) -> dict[str, object]:
+    """One sequence with flash attention on ``threads`` threads: a prompt of
+    ``positions`` tokens, 6 steps, its KV saved, cleared and restored (a park in
+    place of the worker's), 6 more: a digest of every logit, and whether the
+    restored steps matched those of a run without the park."""
+    import hashlib
+
+    engine = LlamaEngine(model, n_ctx=positions + 64, n_batch=N_BATCH, n_seq_max=1,
+                         extra_buffers=False, n_gpu_layers=0, n_threads=threads,
+                         flash_attn=True)  # fmt: skip
+    text = engine.tokenize("Each sequence reads its own part of this long and winding text. ")
+    prompt = [text[p % len(text)] for p in range(positions)]
+    logits = np.zeros(1)
+    for start in range(0, positions, N_BATCH):
+        logits = engine.eval(prompt[start : start + N_BATCH], start, 0)
+    steps: list[np.ndarray] = []
+
+    def step(logits: np.ndarray, pos: int) -> np.ndarray:
+        steps.append(logits)
+        return engine.eval([int(np.argmax(logits))], pos, 0)
+
+    pos = positions
+    for _ in range(STEPS):
+        logits, pos = step(logits, pos), pos + 1
+    state, at, mark = bytes(engine.save_seq(0)), pos, logits
+    for _ in range(STEPS):
+        logits, pos = step(logits, pos), pos + 1
+    straight = steps[STEPS:]
+    engine.clear(0)
+    engine.load_seq(state, 0)
+    steps = steps[:STEPS]
+    logits, pos = mark, at
+    for _ in range(STEPS):
+        logits, pos = step(logits, pos), pos + 1
+    resumed = all(np.array_equal(a, b) for a, b in zip(straight, steps[STEPS:], strict=True))
+    digest = hashlib.sha256(b"".join(x.tobytes() for x in steps)).hexdigest()
+    engine.close()
+    return {"digest": digest, "resumed": resumed}
+
+
 if __name__ == "__main__":
-    flash = sys.argv[4:] == ["flash"]
-    print(json.dumps(run(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), flash)))
+    if sys.argv[2] == "alone":
+        print(json.dumps(alone(sys.argv[1], int(sys.argv[3]), int(sys.argv[4]))))
+    else:
+        flash = sys.argv[4:] == ["flash"]
+        print(json.dumps(run(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), flash)))

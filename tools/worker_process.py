@@ -22,6 +22,7 @@ from jobs.engine.kernels import (
     worker_kernels,
 )
 from jobs.engine.llama import LlamaEngine, NotRepeatable, build_info, device_key
+from jobs.engine.opcheck import flash_unchecked
 from jobs.store.connect import connect
 from jobs.store.identity import identify
 from jobs.worker.loop import Worker, default_worker_name
@@ -75,18 +76,27 @@ def run_worker(settings: Settings) -> None:
     flash = False
     if settings.exact:
         flash, said = keep_attention_unsplit(gpu)
-        log.info("%s", said)
+        unchecked = flash_unchecked(settings.model or "") if flash else []
+        if unchecked:
+            flash, said = False, ("flash attention off: the op check does not build this "
+                                  f"model's {', '.join(unchecked)}")  # fmt: skip
     if settings.exact and settings.max_seqs > 1:
         ops = exact_kernels(settings, settings.n_ctx, gpu=gpu, flash=flash)
         if flash and ops.size < settings.max_seqs:
             plain = exact_kernels(settings, settings.n_ctx, gpu=gpu)
             if plain.size > ops.size:
-                log.info("flash attention off after all: the check certified %d per call "
-                         "with it (%s), %d without", ops.size, ops.how, plain.size)  # fmt: skip
+                # Said loudly: workers of one model should run one attention, or a
+                # job replayed from one on another may end with replay_diverged.
+                log.warning("flash attention off after all: the op check certified %d per "
+                            "call with it (%s), %d without; other workers of this model "
+                            "may run it", ops.size, ops.how, plain.size)  # fmt: skip
                 flash, ops = False, plain
+                said = "flash attention off (refused by the op check)"
         log.info("per-op batching check: %s", ops.how)
         if ops.hint:
             log.info("%s", ops.hint)
+    if settings.exact:
+        log.info("%s", said)
     try:
         engine = LlamaEngine(
             settings.model or "",

@@ -48,6 +48,7 @@ __all__ = [
     "patch_level",
     "peer_server_command",
     "probe_command",
+    "worker_attention",
     "worker_kernels",
 ]
 
@@ -325,6 +326,19 @@ def keep_attention_unsplit(gpu: bool) -> tuple[bool, str]:
         return False, f"flash attention off: {FA_SPLIT_SWITCH}={given} (the operator's)"
     os.environ[FA_SPLIT_SWITCH] = "0"
     return True, f"flash attention on, {FA_SPLIT_SWITCH}=0 (no split of one sequence's cells)"
+
+
+def worker_attention(settings: Settings) -> bool:
+    """Whether a worker with ``settings`` runs flash attention (what the bench's
+    peer is given): ``PARKQ_EXACT=0`` lets llama.cpp choose (on, on a CPU); an
+    exact worker on a CPU with parkq's llama.cpp runs it where its check
+    certifies it (the usual case; the worker's log says when not)."""
+    from jobs.engine.llama import device_key
+
+    on_gpu = device_key(settings.n_gpu_layers) != "CPU"
+    if not settings.exact:
+        return not on_gpu
+    return not on_gpu and patch_level() >= 2 and os.environ.get(FA_SPLIT_SWITCH, "0") == "0"
 
 
 def patch_level() -> int:

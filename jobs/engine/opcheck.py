@@ -59,7 +59,16 @@ import numpy as np
 
 from jobs.engine.ggmlapi import F16, F32, PREC_F32, Device, Ggml
 
-__all__ = ["VERSION", "OpResult", "OpVerdict", "check_model", "check_ops", "main", "weight_shapes"]
+__all__ = [
+    "VERSION",
+    "OpResult",
+    "OpVerdict",
+    "check_model",
+    "check_ops",
+    "flash_unchecked",
+    "main",
+    "weight_shapes",
+]
 
 #: Part of every cached verdict's key: a verdict of an older check is not reused.
 VERSION = 3
@@ -234,6 +243,30 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     if f.types and f.types[0].name == "STRING":
         return bytes(value).decode()
     return value[0]
+
+
+def flash_unchecked(model: str) -> list[str]:
+    """What the flash attention check does not build and llama.cpp would run for
+    ``model`` (the check passes no logit softcap, ALiBi bias or attention sinks,
+    assumes plain K and V heads, and llama.cpp runs its own attention instead of
+    flash attention for a KQ bias, as in Grok): empty where it checks the model's
+    flash attention as llama.cpp builds it."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(model)
+    arch = _field(reader, "general.architecture")
+    found = []
+    for key, what in ((f"{arch}.attn_logit_softcapping", "a logit softcap"),
+                      (f"{arch}.attention.max_alibi_bias", "an ALiBi bias"),
+                      (f"{arch}.attention.kv_lora_rank", "compressed (MLA) K and V")):  # fmt: skip
+        f = reader.fields.get(key)
+        if f is not None and float(f.parts[f.data[0]][0]) != 0.0:
+            found.append(what)
+    if any("attn_sinks" in t.name for t in reader.tensors):
+        found.append("attention sinks")
+    if arch == "grok":
+        found.append("a KQ bias (Grok)")
+    return found
 
 
 # -- the checks -------------------------------------------------------------------

@@ -184,6 +184,30 @@ def test_flash_attention_agrees_at_every_width_only_with_its_kv_split_off(
     assert attention["first_differs"] is None and attention["cells"] == 1024, unsplit
 
 
+def test_flash_attention_without_its_split_is_the_same_on_any_thread_count_and_after_a_park(
+    kquant_model: Path,
+) -> None:
+    """One sequence past 512 cells with flash attention, the split off: 1 and 2
+    threads give the same logits at every step, and a restored KV state (what a
+    park keeps) continues as if never parked. With the split on, thread counts
+    differ (the reason the worker turns it off)."""
+
+    def alone(threads: int, split: str) -> dict[str, Any]:
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.widthrun", str(kquant_model), "alone", "700",
+             str(threads)],
+            capture_output=True, text=True, timeout=300, check=True,
+            env=_child_env(**{FA_SPLIT_SWITCH: split}),
+        )  # fmt: skip
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return result
+
+    one, two = alone(1, "0"), alone(2, "0")
+    assert one["resumed"] and two["resumed"]
+    assert one["digest"] == two["digest"]
+    assert alone(2, "1")["digest"] != one["digest"]
+
+
 def test_the_worker_s_check_certifies_what_its_kernels_allow_and_names_the_switch(
     kquant_model: Path, tmp_path: Path, clean_switch: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

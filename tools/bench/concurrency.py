@@ -179,7 +179,7 @@ def main() -> None:
                     help="arms: greedy, default (the openai client's: temperature 1)")  # fmt: skip
     args = ap.parse_args()
 
-    from jobs.engine.kernels import worker_kernels
+    from jobs.engine.kernels import worker_attention, worker_kernels
     from tools.launcher import Stack
 
     clients_list = [int(x) for x in args.clients.split(",")]
@@ -230,8 +230,8 @@ def main() -> None:
         layers = gpu_layers(settings.n_gpu_layers)
         with running_llama_server(peer, model=settings.model or "", seqs=max(resolved),
                                   n_ctx=settings.n_ctx, threads=threads,
-                                  extra_buffers=extra.extra_buffers,
-                                  gpu_layers=layers) as base:  # fmt: skip
+                                  extra_buffers=extra.extra_buffers, gpu_layers=layers,
+                                  flash_attn=worker_attention(settings)) as base:  # fmt: skip
             burst(base, 1, 8)
             runs = {}
             for _, arm, clients in rounds(args.repeat, arms, clients_list):

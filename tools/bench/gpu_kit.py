@@ -193,8 +193,9 @@ def _without_libraries(wheel: Path) -> None:
 
 def cmake_args(src: Path, build_dir: Path, cuda: bool, arch: str = DEFAULT_ARCH) -> list[str]:
     """The configure command: shared libraries (what llama-cpp-python loads) and
-    ``llama-server``; no flash-attention kernels (parkq turns flash attention off,
-    and ``llama-server`` runs with ``-fa off`` beside it), no network."""
+    ``llama-server``; no flash-attention kernels (parkq's exact mode keeps flash
+    attention off on a GPU, and ``llama-server`` runs with ``-fa off`` beside it),
+    no network."""
     args = ["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
             "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON",
             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",

@@ -55,15 +55,17 @@ def server_args(
     threads: int,
     extra_buffers: bool,
     gpu_layers: int = 0,
+    flash_attn: bool = False,
 ) -> list[str]:
     """The peer's command line, matched to a parkq worker's settings: ``seqs``
     parallel slots of ``n_ctx`` positions each, the same threads, the same
-    layers on the GPU (``gpu_layers``, -1: all), no flash attention (parkq turns
-    it off) and the same kernel path (``--no-repack`` where parkq turns extra
-    buffer types off)."""
+    layers on the GPU (``gpu_layers``, -1: all), flash attention where the
+    worker runs it (``flash_attn``: jobs.engine.kernels.worker_attention) and the
+    same kernel path (``--no-repack`` where parkq turns extra buffer types off)."""
     argv = [str(binary), "--model", model, "--host", "127.0.0.1", "--port", str(port),
             "-np", str(seqs), "-c", str(n_ctx * seqs), "-t", str(threads), "-tb", str(threads),
-            "-ngl", str(999 if gpu_layers < 0 else gpu_layers), "-fa", "off",
+            "-ngl", str(999 if gpu_layers < 0 else gpu_layers),
+            "-fa", "on" if flash_attn else "off",
             "--cont-batching", "--no-webui", "--log-disable"]  # fmt: skip
     if not extra_buffers:
         argv.append("--no-repack")
@@ -108,6 +110,7 @@ def running_llama_server(
     threads: int,
     extra_buffers: bool,
     gpu_layers: int = 0,
+    flash_attn: bool = False,
 ) -> Iterator[str]:
     """``llama-server`` on a free loopback port, until the block ends; its base URL."""
     from tools.launcher import free_port
@@ -115,7 +118,7 @@ def running_llama_server(
     port = free_port()
     argv = server_args(binary, model=model, port=port, seqs=seqs, n_ctx=n_ctx,
                        threads=threads, extra_buffers=extra_buffers,
-                       gpu_layers=gpu_layers)  # fmt: skip
+                       gpu_layers=gpu_layers, flash_attn=flash_attn)  # fmt: skip
     with serving(argv, f"http://127.0.0.1:{port}", "/health", "llama-server") as base:
         yield base
 

@@ -12,7 +12,7 @@ import numpy as np
 import redis
 import requests
 
-from jobs.engine.kernels import peer_server_command, worker_kernels
+from jobs.engine.kernels import peer_server_command, worker_attention, worker_kernels
 from jobs.engine.llama import gpu_layers, reference_generate, set_llama_extra_buffers
 from jobs.store.scheduling import Store
 from scheduler.settings import Settings
@@ -140,7 +140,8 @@ def run_llama_server(
     with running_llama_server(binary, model=settings.model or "", seqs=seqs,
                               n_ctx=settings.n_ctx, threads=threads,
                               extra_buffers=extra.extra_buffers,
-                              gpu_layers=gpu_layers(settings.n_gpu_layers)) as base:  # fmt: skip
+                              gpu_layers=gpu_layers(settings.n_gpu_layers),
+                              flash_attn=worker_attention(settings)) as base:  # fmt: skip
         _warm(base)
         obs = play(base, workload, {"ignore_eos": True})
     return summarize(obs), timeline(obs)
