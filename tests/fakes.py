@@ -78,6 +78,12 @@ class FakeEngine(FakeVocab):
         """One token each of several sequences: the fake has one, so one step."""
         return [self.eval([token], pos, seq) for seq, token, pos in steps]
 
+    #: One context: each prompt chunk in a call of its own.
+    max_prefill = 1
+
+    def prefill(self, chunks: Sequence[tuple[int, Sequence[int], int]]) -> list[np.ndarray]:
+        return [self.eval(tokens, pos, seq) for seq, tokens, pos in chunks]
+
     def eval(self, tokens: Sequence[int], pos: int, seq: int = 0) -> np.ndarray:
         assert pos == len(self.context), "positions must continue the context"
         self.calls.append((len(tokens), pos))

@@ -15,10 +15,12 @@ from jobs.engine.capacity import sequence_plan
 from jobs.engine.kernels import (
     TILED_FLOOR,
     exact_kernels,
+    exact_prompts,
     invariant_batch_size,
     keep_attention_unsplit,
     keep_decode_untiled,
     patch_level,
+    prompt_floors,
     worker_kernels,
 )
 from jobs.engine.llama import LlamaEngine, NotRepeatable, build_info, device_key
@@ -97,6 +99,11 @@ def run_worker(settings: Settings) -> None:
             log.info("%s", ops.hint)
     if settings.exact:
         log.info("%s", said)
+    floors = settings.exact and prompt_floors(gpu)
+    prompts = None
+    if floors and settings.max_seqs > 1:
+        prompts = exact_prompts(settings, settings.n_ctx, flash=flash)
+        log.info("per-op check of prompt calls: %s", prompts.how)
     try:
         engine = LlamaEngine(
             settings.model or "",
@@ -109,6 +116,7 @@ def run_worker(settings: Settings) -> None:
             n_gpu_layers=settings.n_gpu_layers,
             exact=settings.exact,
             flash_attn=flash,
+            prompt_floors=floors,
         )
     except (ValueError, RuntimeError, OSError) as exc:
         raise click.ClickException(f"cannot load the model {settings.model}: {exc}") from None
@@ -172,9 +180,23 @@ def run_worker(settings: Settings) -> None:
             settings.max_seqs,
             engine.speedup(settings.max_seqs),
         )
+    if not settings.exact:
+        engine.plan_prefill(settings.max_seqs)
+    elif prompts is not None:
+        engine.plan_prefill(prompts.size)
+    if floors:
+        log.info("prompt calls on the tiled product and attention at every size, decode "
+                 "calls on the one-row ones; up to %d prompts per call%s", engine.max_prefill,
+                 "" if engine.max_prefill > 1 or prompts is None
+                 else " (the check refused more)")  # fmt: skip
+    elif settings.exact and settings.max_seqs > 1:
+        log.info("each prompt chunk in a call of its own (batched prompts are checked only "
+                 "on a CPU with parkq's llama.cpp)")  # fmt: skip
+    prefill = (f", up to {engine.max_prefill} prompts per call" if engine.max_prefill > 1
+               else ", prompts one per call")  # fmt: skip
     attention = ", flash attention" if engine.flash_attn else ", no flash attention"
     # Which llama.cpp (patched or stock), its floor and attention.
-    exactness += f" ({build_info().split(';', 1)[0]}{floor}{attention})"
+    exactness += f" ({build_info().split(';', 1)[0]}{floor}{attention}{prefill})"
     identity = identify(
         model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir,
         device=engine.device, exactness=exactness,

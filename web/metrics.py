@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from jobs.store.scheduling import Store
 from jobs.store.telemetry import BUCKETS_MS
-from jobs.worker.stepclock import PARTS
+from jobs.worker.stepclock import COUNTS, PARTS
 from scheduler.policy import priority_label
 from web.tenants import caller
 
@@ -49,6 +49,11 @@ METRICS = {
     "parkq_step_seconds": (
         "Workers' time while they had work, by part: engine (llama.cpp calls), sampling, "
         "redis (step writes, heartbeats), other (scheduling, text, payloads)."
+    ),
+    "parkq_prefill_calls": "Engine calls that prefilled prompt chunks.",
+    "parkq_prefill_chunks": (
+        "Prompt chunks prefilled; above parkq_prefill_calls where several prompts shared "
+        "a call (batched prefill)."
     ),
     "parkq_park_latency_seconds": "Time to park a job (KV save, state, requeue).",
     "parkq_resume_latency_seconds": "Time from claiming a parked job to its KV restored.",
@@ -127,6 +132,9 @@ class RedisCollector(Collector):
         for part in PARTS:
             step.add_metric([part], counters.get(f"step_seconds:{part}", 0.0))
         yield step
+        for what in COUNTS:
+            name = f"parkq_{what}"
+            yield CounterMetricFamily(name, METRICS[name], value=counters.get(what, 0))
         for field, name in _HISTOGRAMS.items():
             h = HistogramMetricFamily(name, METRICS[name])
             h.add_metric([], *self._buckets(field))

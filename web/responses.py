@@ -136,25 +136,18 @@ def aggregate(response_id: str, jobs: list[str], gen: GenerationRequest) -> dict
     """The whole response: every choice's chunks assembled (an error in one
     ends the others and is the answer).
 
-    The request reads every choice as a stream reader does, for as long as it
-    waits; a client that leaves is noticed (:class:`ClientGone`) and its jobs
-    are detached, so interactive ones are abandoned after the grace period as a
-    streamed request's are."""
-    store = current().store
+    The request reads every choice as a stream reader does (a lease on each,
+    renewed while it waits, :class:`sse.Reading`), for as long as it waits; a
+    client that leaves is noticed (:class:`ClientGone`) and its jobs are
+    detached, so interactive ones are abandoned after the grace period as a
+    streamed request's are. A process killed while it waits leaves no reader
+    behind: its leases end by themselves."""
     sock = request.environ.get("gunicorn.socket")
 
     def gone() -> bool:
         return sse.client_gone(sock)
 
-    attached: list[str] = []
-    try:
-        for job_id in jobs:
-            store.reader(job_id, +1, time.time())
-            attached.append(job_id)
-        return _aggregate(response_id, jobs, gen, gone)
-    finally:
-        for job_id in attached:
-            store.reader(job_id, -1, time.time())
+    return _aggregate(response_id, jobs, gen, gone)
 
 
 def _aggregate(

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PREC_F32", "Device", "Ggml"]
+__all__ = ["PREC_F32", "Device", "Floors", "Ggml", "library"]
 
 F32, F16 = 0, 1
 #: enum ggml_prec: accumulate in F32 (what llama.cpp asks of its attention)
@@ -28,15 +28,25 @@ class _InitParams(ctypes.Structure):
                 ("no_alloc", ctypes.c_bool)]  # fmt: skip
 
 
+def library(lib_dir: Path, stem: str) -> Path:
+    """The file of ``stem`` in ``lib_dir`` that the libraries load each other by:
+    its soname (``libggml-cpu.so.0``), where the wheel holds one. llama-cpp-python's
+    wheel holds ``libggml-cpu.so`` and ``libggml-cpu.so.0`` as two copies, not
+    links, and a process that opens both has two CPU backends: a setting made
+    in one is not seen by the one that computes."""
+    versioned = sorted(lib_dir.glob(f"{stem}.so.*"), key=lambda p: (len(p.name), p.name))
+    return versioned[0] if versioned else lib_dir / f"{stem}.so"
+
+
 class Ggml:
     """The few ggml entry points the check calls, from the libraries llama-cpp-python
     loaded (the same build the worker decodes with)."""
 
     def __init__(self, lib_dir: Path) -> None:
         mode = getattr(os, "RTLD_GLOBAL", 0)
-        base = ctypes.CDLL(str(lib_dir / "libggml-base.so"), mode=mode)
-        ggml = ctypes.CDLL(str(lib_dir / "libggml.so"), mode=mode)
-        cpu_path = lib_dir / "libggml-cpu.so"
+        base = ctypes.CDLL(str(library(lib_dir, "libggml-base")), mode=mode)
+        ggml = ctypes.CDLL(str(library(lib_dir, "libggml")), mode=mode)
+        cpu_path = library(lib_dir, "libggml-cpu")
         cpu = ctypes.CDLL(str(cpu_path), mode=mode) if cpu_path.exists() else None
         p, i64, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t
 
@@ -73,6 +83,50 @@ class Ggml:
         self.init_by_type = fn(ggml, "ggml_backend_init_by_type", p, ctypes.c_int, p)
         self.set_threads = (fn(cpu, "ggml_backend_cpu_set_n_threads", None, p, ctypes.c_int)
                             if cpu is not None else None)  # fmt: skip
+        self.floors = Floors.of(cpu)
+
+
+class Floors:
+    """The run-time floors of the CPU's row-count-picked kernels, in parkq's
+    llama.cpp (tools/llamapatch/0003-cpu-run-time-tiled-floors.patch): the fewest
+    rows that take the tiled K-quant product and the tiled flash attention (0:
+    llama.cpp's own, from its environment or its default). The library is the
+    one this process already loaded, so the values are the ones its llama.cpp
+    computes with."""
+
+    def __init__(self, cpu: ctypes.CDLL) -> None:
+        i64 = ctypes.c_int64
+        self._set_mm = cpu.ggml_cpu_set_tiled_mm_min_rows
+        self._get_mm = cpu.ggml_cpu_get_tiled_mm_min_rows
+        self._set_fa = cpu.ggml_cpu_set_fa_tiled_min_rows
+        self._get_fa = cpu.ggml_cpu_get_fa_tiled_min_rows
+        for setter in (self._set_mm, self._set_fa):
+            setter.restype, setter.argtypes = None, [i64]
+        for getter in (self._get_mm, self._get_fa):
+            getter.restype, getter.argtypes = i64, []
+
+    @classmethod
+    def of(cls, cpu: ctypes.CDLL | None) -> Floors | None:
+        """The floors of ``cpu`` (libggml-cpu), or None where it has none (stock)."""
+        if cpu is None or not hasattr(cpu, "ggml_cpu_set_fa_tiled_min_rows"):
+            return None
+        return cls(cpu)
+
+    @classmethod
+    def load(cls, lib_dir: Path) -> Floors | None:
+        """The floors of the CPU library in ``lib_dir`` (llama-cpp-python's), the
+        copy its llama.cpp computes with (:func:`library`)."""
+        path = library(lib_dir, "libggml-cpu")
+        if not path.exists():
+            return None
+        return cls.of(ctypes.CDLL(str(path), mode=getattr(os, "RTLD_GLOBAL", 0)))
+
+    def set(self, matmul: int, attention: int) -> None:
+        self._set_mm(matmul)
+        self._set_fa(attention)
+
+    def get(self) -> tuple[int, int]:
+        return int(self._get_mm()), int(self._get_fa())
 
 
 class Device:

@@ -42,12 +42,14 @@ __all__ = [
     "OpChoice",
     "choose_kernels",
     "exact_kernels",
+    "exact_prompts",
     "invariant_batch_size",
     "keep_attention_unsplit",
     "keep_decode_untiled",
     "patch_level",
     "peer_server_command",
     "probe_command",
+    "prompt_floors",
     "worker_attention",
     "worker_kernels",
 ]
@@ -352,16 +354,55 @@ def patch_level() -> int:
 
 
 def opcheck_command(model: str, widths: int, n_ctx: int, threads: int | None,
-                    gpu: bool, flash: bool = False) -> list[str]:  # fmt: skip
+                    gpu: bool, flash: bool = False, prompts: int = 0) -> list[str]:  # fmt: skip
     """The per-op check in a fresh interpreter (llama.cpp reads its kernel switches
-    once per process)."""
+    once per process); ``prompts``: the check of prompt calls of ``n_batch``
+    ``prompts`` rows instead."""
     cmd = [sys.executable, "-m", "jobs.engine.opcheck", model, "--widths", str(widths),
            "--ctx", str(n_ctx), "--json"]  # fmt: skip
     if threads:
         cmd += ["--threads", str(threads)]
     if flash:
         cmd += ["--flash-attn"]
+    if prompts:
+        cmd += ["--prompts", "--batch", str(prompts)]
     return [*cmd, "--gpu"] if gpu else cmd
+
+
+def prompt_floors(gpu: bool) -> bool:
+    """Whether an exact worker runs its prompt calls on the tiled paths and its
+    decode calls on the one-row paths (LlamaEngine's ``prompt_floors``): on a
+    CPU with parkq's llama.cpp from patch 3 on, every exact worker does, so
+    that a prompt computes the same wherever it runs, alone or batched with
+    others (a job replayed on another worker agrees)."""
+    return not gpu and patch_level() >= 3
+
+
+def exact_prompts(
+    settings: Settings,
+    n_ctx: int,
+    *,
+    flash: bool,
+    timeout: float = OPCHECK_TIMEOUT_SECONDS,
+) -> OpChoice:
+    """Certify, op by op, that prompt calls of up to ``max_seqs`` sequences and
+    ``n_batch`` tokens give each prompt row its value alone, on the CPU at the
+    prompt floors (:func:`jobs.engine.opcheck.check_prompts`, in a child, cached
+    as :func:`exact_kernels` is): the most prompts one call may take (1: each
+    alone, as before)."""
+    from jobs.engine.llama import build_info, device_key
+    from jobs.engine.opcheck import VERSION
+
+    limit = settings.max_seqs or 1
+    model = settings.model or ""
+    threads = settings.n_threads or len(os.sched_getaffinity(0))
+    command = opcheck_command(model, limit, n_ctx, threads, False, flash, settings.n_batch)
+    shape = (f"opcheck {VERSION} prompts {limit} batch {settings.n_batch} ctx {n_ctx} "
+             f"threads {threads} flash {flash} env {kernel_environment()}")  # fmt: skip
+    key = _cache_key(model, f"{build_info()}\n{device_key(settings.n_gpu_layers)}\n{shape}")
+    verdict = _opcheck(command, _cache_path(settings.cache_dir, key), timeout)
+    size = max(1, min(limit, int(verdict.get("size", 1))))
+    return OpChoice(size, _described(verdict), "", bool(verdict.get("complete")))
 
 
 def _opcheck(command: Sequence[str], cache: Path, timeout: float) -> dict[str, Any]:

@@ -118,6 +118,8 @@ class Engine(Protocol):
 
     n_ctx: int
     n_vocab: int
+    #: The most sequences :meth:`prefill` takes in one call.
+    max_prefill: int
 
     def is_eog(self, token: int) -> bool: ...
     def constraint(self, grammar: str) -> Constraint: ...
@@ -126,6 +128,7 @@ class Engine(Protocol):
     def truncate(self, pos: int, seq: int = 0) -> None: ...
     def eval(self, tokens: Sequence[int], pos: int, seq: int = 0) -> np.ndarray: ...
     def decode(self, steps: Sequence[tuple[int, int, int]]) -> list[np.ndarray]: ...
+    def prefill(self, chunks: Sequence[tuple[int, Sequence[int], int]]) -> list[np.ndarray]: ...
     def save_seq(self, seq: int = 0) -> bytes | memoryview: ...
     def load_seq(self, data: bytes | memoryview, seq: int = 0) -> None: ...
 
@@ -490,10 +493,22 @@ class LlamaEngine(Vocab):
         n_gpu_layers: int | None = None,
         exact: bool = True,
         flash_attn: bool = False,
+        prompt_floors: bool = False,
     ) -> None:
         #: Kernels that give a sequence the same logits alone and beside others
         #: (False: llama.cpp's fastest, flash attention included).
         self.exact = exact
+        #: Prompt calls on the tiled paths, decode calls on the one-row paths
+        #: (:meth:`_kernels_for`; needs parkq's llama.cpp, patch 3).
+        self._floors = None
+        if prompt_floors:
+            from jobs.engine.ggmlapi import Floors
+
+            self._floors = Floors.load(library_dir())
+            if self._floors is None:
+                raise ValueError("this llama.cpp has no run-time kernel floors (parkq's "
+                                 "patch 0003: python -m tools.llamapatch ensure)")  # fmt: skip
+        self._floors_at: tuple[int, int] | None = None
         #: Flash attention in exact mode (where the worker's op check certified
         #: it, with llama.cpp's KV split off: jobs/engine/kernels.py).
         self.flash_attn = flash_attn or not exact
@@ -505,8 +520,11 @@ class LlamaEngine(Vocab):
         params = llama_cpp.llama_context_default_params()
         per_seq = n_ctx or self.n_ctx_train
         params.n_ctx = per_seq * n_seq_max
-        # One step decodes a token of every sequence: the batch holds them all.
-        params.n_batch = params.n_ubatch = max(n_batch, n_seq_max)
+        # One step decodes a token of every sequence, and one prefill call takes a
+        # chunk of each (:meth:`prefill`): the batch holds them all. llama.cpp
+        # runs a call in passes of at most n_ubatch tokens, the chunk size.
+        params.n_ubatch = max(n_batch, n_seq_max)
+        params.n_batch = params.n_ubatch * n_seq_max
         params.n_seq_max = n_seq_max
         params.kv_unified = False
         params.swa_full = True
@@ -536,8 +554,11 @@ class LlamaEngine(Vocab):
         #: The most sequences :meth:`decode` puts in one call, and for each number
         #: of sequences the sizes of its calls (see :meth:`probe_batching`).
         self.max_batch = 1
+        #: The most sequences :meth:`prefill` puts in one call (1: each prompt
+        #: alone; see :meth:`plan_prefill`).
+        self.max_prefill = 1
         self._splits: list[list[int]] = []
-        self._batch = llama_cpp.llama_batch_init(max(n_batch, n_seq_max), 0, 1)
+        self._batch = llama_cpp.llama_batch_init(int(params.n_batch), 0, 1)
         self._memory = llama_cpp.llama_get_memory(self.ctx.ctx)
 
     @property
@@ -589,11 +610,82 @@ class LlamaEngine(Vocab):
         """Forget positions ``pos`` and later of ``seq``."""
         llama_cpp.llama_memory_seq_rm(self._memory, seq, pos, -1)
 
+    @property
+    def prompt_floors(self) -> bool:
+        """Whether prompt calls run on the tiled paths (:meth:`_kernels_for`)."""
+        return self._floors is not None
+
+    def _kernels_for(self, prompt: bool) -> None:
+        """Set the CPU's row floors for the next call: a prompt call (two or more
+        tokens of a sequence) takes the tiled product and the tiled flash
+        attention at every size (floors 1), whose rows do not depend on how many
+        share the call, so that prompts batched together, or split into passes
+        by llama.cpp, give each row its value alone; a decode call (one token
+        per sequence) takes llama.cpp's floors from its environment (the worker
+        sets them: jobs/engine/kernels.py), so every decode width takes the
+        one-row paths. Each kind of call so runs one set of kernels whatever
+        shares it. Without floors (stock llama.cpp, or not asked) nothing."""
+        if self._floors is None:
+            return
+        want = (1, 1) if prompt else (0, 0)
+        if want != self._floors_at:
+            self._floors.set(*want)
+            self._floors_at = want
+
+    def plan_prefill(self, width: int) -> None:
+        """Let :meth:`prefill` put up to ``width`` sequences' chunks in one call
+        (the worker's check certified it, or PARKQ_EXACT is off)."""
+        self.max_prefill = max(1, min(width, self.n_seq_max))
+
+    def prefill(self, chunks: Sequence[tuple[int, Sequence[int], int]]) -> list[np.ndarray]:
+        """Prompt chunks of several sequences in one call: ``(seq, tokens, pos)``
+        each, at most :attr:`max_prefill` of them and ``n_batch`` tokens each,
+        two tokens or more each where the floors are set (a lone token is a
+        decode call's: :meth:`eval`); the logits after each chunk's last token,
+        in order. Listed by increasing sequence id, as :meth:`decode` does."""
+        n = len(chunks)
+        total = sum(len(tokens) for _, tokens, _ in chunks)
+        if not 0 < n <= self.max_prefill or any(
+            not 0 < len(tokens) <= self.n_batch for _, tokens, _ in chunks
+        ):
+            raise ValueError(f"prefill takes 1..{self.max_prefill} chunks of 1..{self.n_batch} "
+                             f"tokens, got {[len(t) for _, t, _ in chunks]}")  # fmt: skip
+        if n == 1:
+            seq, tokens, pos = chunks[0]
+            return [self.eval(tokens, pos, seq)]
+        if self._floors is not None and any(len(tokens) < 2 for _, tokens, _ in chunks):
+            raise ValueError("a one-token chunk is a decode call's (eval)")
+        self._kernels_for(True)
+        order = sorted(range(n), key=lambda i: chunks[i][0])
+        b = self._batch
+        b.n_tokens = total
+        last: dict[int, int] = {}
+        i = 0
+        for c in order:
+            seq, tokens, pos = chunks[c]
+            for k, tok in enumerate(tokens):
+                b.token[i] = tok
+                b.pos[i] = pos + k
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = seq
+                b.logits[i] = k == len(tokens) - 1
+                i += 1
+            last[c] = i - 1
+        rc = llama_cpp.llama_decode(self.ctx.ctx, b)
+        if rc != 0:
+            raise EngineError(f"llama_decode returned {rc}")
+        out = []
+        for c in range(n):
+            ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, last[c])
+            out.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
+        return out
+
     def eval(self, tokens: Sequence[int], pos: int, seq: int = 0) -> np.ndarray:
         """Decode ``tokens`` at positions ``pos...`` of ``seq``; logits of the last one."""
         n = len(tokens)
         if not 0 < n <= self.n_batch:
             raise ValueError(f"eval takes 1..{self.n_batch} tokens, got {n}")
+        self._kernels_for(n > 1)
         b = self._batch
         b.n_tokens = n
         for i, tok in enumerate(tokens):
@@ -839,6 +931,7 @@ class LlamaEngine(Vocab):
         n = len(steps)
         if not 0 < n <= self._capacity:
             raise ValueError(f"decode takes 1..{self._capacity} steps, got {n}")
+        self._kernels_for(False)
         b = self._batch
         b.n_tokens = n
         for i, (seq, tok, pos) in enumerate(steps):

@@ -519,6 +519,257 @@ def _attend_flash(dev: Device, a: AttentionShape, data: _Streams, lengths: Seque
         g.free(ctx)
 
 
+# -- prompt calls ------------------------------------------------------------------
+#
+# A prompt call holds several sequences' prompt chunks (the engine's batched
+# prefill). llama.cpp splits such a call into passes of equal rows per sequence
+# (``split_equal``), so a chunk's rows land in passes of other sizes than alone;
+# a row is exact only if its result depends on nothing but its own sequence. The
+# engine runs every prompt call with both run-time floors at 1 (every row on
+# the tiled paths, jobs/engine/kernels.py), and the check runs at those floors.
+
+#: The floors of a prompt call: every row on the tiled product and the tiled
+#: flash attention.
+PROMPT_FLOOR = 1
+#: Rows of a prompt pass the attention check takes per stream.
+PROMPT_ROWS = (2, 5, 16, 17, 63, 64, 65, 130)
+
+
+def prompt_widths(n_batch: int, top: int | None = None) -> list[int]:
+    """The columns of the prompt products the check multiplies: every width to
+    17, each side of the tiled product's 16-column bands and 256-column windows,
+    and ``n_batch`` (at most ``top``: the output matrix sees one column per
+    sequence)."""
+    widths = set(range(1, 18)) | {31, 33, 64, 65, 255, 257, n_batch}
+    cap = min(n_batch, top) if top is not None else n_batch
+    return sorted(w for w in widths if w <= cap)
+
+
+def _sampled(n: int) -> list[int]:
+    """The columns (rows) of an ``n``-wide call compared with alone: all up to
+    17, else each side of the 16-row bands at both ends, the middle, the last."""
+    if n <= 17:
+        return list(range(n))
+    return sorted({0, 1, 15, 16, 17, n // 2, n - 17, n - 16, n - 2, n - 1})
+
+
+def _output(w: WeightShape) -> bool:
+    return w.example in ("output.weight", "token_embd.weight")
+
+
+def check_matmul_prompts(dev: Device, w: WeightShape, data: Any, widths: Sequence[int],
+                         seqs: int, rng: np.random.Generator) -> OpResult:  # fmt: skip
+    """``w``'s product with each of ``widths`` columns against each (sampled)
+    column alone, at the prompt floors; a difference at any width refuses
+    prompt calls of more than one sequence (reported as width 2)."""
+    g, t0 = dev.g, time.perf_counter()
+    wctx = dev.context(1)
+    try:
+        weight = g.new_4d(wctx, w.ggml_type, w.cols, w.rows, 1, 1)
+        wbuf = dev.upload(wctx)
+        try:
+            dev.put(weight, np.asarray(data).reshape(-1).view(np.uint8))
+            x = rng.standard_normal((max(widths), w.cols)).astype(np.float32)
+            alone: dict[int, np.ndarray] = {}
+            for n in widths:
+                got = _product(dev, weight, w, x[:n])
+                cols = _sampled(n)
+                for j in cols:
+                    if j not in alone:
+                        alone[j] = _product(dev, weight, w, x[j : j + 1])[0]
+                found = _first_difference(np.stack([alone[j] for j in cols]), got[cols])
+                if found is not None:
+                    return OpResult(w.name, seqs, 2, f"column {cols[found[0]]} of {n}",
+                                    found[1], time.perf_counter() - t0)  # fmt: skip
+        finally:
+            g.buffer_free(wbuf)
+    finally:
+        g.free(wctx)
+    return OpResult(w.name, seqs, None, "", 0.0, time.perf_counter() - t0)
+
+
+def prompt_arrangements(n_ctx: int, seqs: int, n_batch: int) -> list[tuple[int, list[int]]]:
+    """The prompt passes the attention check makes: ``(rows, starts)``, a pass of
+    ``rows`` query rows per stream (equal for every stream, as llama.cpp's
+    passes are) with stream ``i``'s first row at position ``starts[i]``: each
+    row count alone at the start, across a 256-cell boundary and at the end of
+    the context; beside a stream at the context's end and one at the start; and
+    ``seqs`` streams at staggered starts. In increasing order of the cells a
+    pass spans."""
+    out: set[tuple[int, tuple[int, ...]]] = set()
+    for rows in PROMPT_ROWS:
+        if rows > n_ctx:
+            continue
+        last = n_ctx - rows
+        ends = sorted(x for x in {0, 1, max(0, KV_PAD - rows // 2), last} if x <= last)
+        for start in ends:
+            out.add((rows, (start,)))
+        for n in sorted({2, 3, seqs}):
+            if n > seqs or n * rows > n_batch:
+                continue
+            for i in range(len(ends)):
+                starts = [ends[(i + k) % len(ends)] for k in range(n)]
+                out.add((rows, tuple(starts)))
+    return sorted(((r, list(st)) for r, st in out),
+                  key=lambda a: (_pad(max(a[1]) + a[0]), len(a[1]), a))  # fmt: skip
+
+
+class _Rows(_Streams):
+    """:class:`_Streams` with a query of its own at every position."""
+
+    def q_at(self, s: int, pos: int) -> np.ndarray:
+        return np.roll(self.q, 7 * s + 13 * pos, axis=1) * (1.0 + (pos % 5) / 8)
+
+
+def check_attention_prompts(
+    dev: Device,
+    a: AttentionShape,
+    n_ctx: int,
+    seqs: int,
+    n_batch: int,
+    rng: np.random.Generator,
+    seconds: float = ATTENTION_SECONDS,
+    flash: bool = False,
+) -> OpResult:
+    """Every (sampled) row of every prompt pass (:func:`prompt_arrangements`)
+    against the same row alone (one row, its stream's cells up to its own
+    position), bit for bit, at the prompt floors, in increasing order of the
+    cells a pass spans until ``seconds`` run out."""
+    t0 = time.perf_counter()
+    kind = "flash attention" if flash else "attention K·Q, softmax, V"
+    name = (f"{kind} of prompt rows (head {a.head_dim_k}/{a.head_dim_v}, {a.n_head} heads, "
+            f"{a.n_head_kv} KV heads, F16 cache)")  # fmt: skip
+    data = _Rows(a, n_ctx, rng)
+    alone: dict[tuple[int, int], np.ndarray] = {}
+    first: tuple[int, str, float] | None = None
+    cells = 0
+    for rows, starts in prompt_arrangements(n_ctx, seqs, n_batch):
+        span = _pad(max(starts) + rows)
+        if cells and span > cells and time.perf_counter() - t0 > seconds:
+            break
+        got = _attend_rows(dev, a, data, rows, starts, range(len(starts)), flash)
+        for s, start in enumerate(starts):
+            for r in _sampled(rows):
+                key = (s, start + r)
+                if key not in alone:
+                    alone[key] = _attend_rows(dev, a, data, 1, [start + r], [s], flash)[0][:, 0]
+                found = _first_difference(alone[key][None], got[s][:, r][None])
+                if found is not None and (first is None or len(starts) < first[0]):
+                    where = (f"row {r} of {rows} of a stream from position {start} in a "
+                             f"pass of starts {starts}")  # fmt: skip
+                    first = (2, where, found[1])
+        cells = max(cells, min(span, n_ctx))
+    took = time.perf_counter() - t0
+    if first is not None:
+        return OpResult(name, seqs, first[0], first[1], first[2], took, cells)
+    return OpResult(name, seqs, None, "", 0.0, took, cells)
+
+
+def _attend_rows(dev: Device, a: AttentionShape, data: _Rows, rows: int, starts: Sequence[int],
+                 streams: Sequence[int], flash: bool) -> np.ndarray:  # fmt: skip
+    """One prompt pass's attention: ``rows`` query rows per stream, stream ``i``'s
+    rows at positions ``starts[i]...``, each seeing its stream's cells up to its
+    own position (llama.cpp's causal mask), as :func:`_attend` builds it with or
+    without flash attention. Returns ``(streams, heads, rows, dv)``."""
+    g = dev.g
+    ns = len(starts)
+    n_kv = _pad(max(starts) + rows)
+    kv_size = data.cells if dev.gpu else n_kv
+    ctx = dev.context(12)
+    try:
+        dk, dv, nh, nkv = a.head_dim_k, a.head_dim_v, a.n_head, a.n_head_kv
+        h = 2  # sizeof(f16)
+        kc = g.new_4d(ctx, F16, dk * nkv, kv_size, ns, 1)
+        qt = g.new_4d(ctx, F32, dk, nh, rows, ns)  # [head, n_head, tokens, stream]
+        kview = g.view_4d(ctx, kc, dk, nkv, n_kv, ns, dk * h, dk * nkv * h,
+                          dk * nkv * kv_size * h, 0)  # fmt: skip
+        kp = g.permute(ctx, kview, 0, 2, 1, 3)  # [dk, n_kv, nkv, ns]
+        qp = g.permute(ctx, qt, 0, 2, 1, 3)  # [dk, rows, nh, ns]
+        m = np.zeros((ns, rows, n_kv), dtype=np.float32)
+        for s, start in enumerate(starts):
+            for r in range(rows):
+                m[s, r, start + r + 1 :] = -np.inf
+        if flash:
+            vc = g.new_4d(ctx, F16, dv * nkv, kv_size, ns, 1)
+            mask = g.new_4d(ctx, F16, n_kv, rows, 1, ns)
+            vview = g.view_4d(ctx, vc, dv, nkv, n_kv, ns, dv * h, dv * nkv * h,
+                              dv * nkv * kv_size * h, 0)  # fmt: skip
+            vp = g.permute(ctx, vview, 0, 2, 1, 3)  # [dv, n_kv, nkv, ns]
+            out = g.flash_attn_ext(ctx, qp, kp, vp, mask, 1.0 / float(np.sqrt(dk)), 0.0, 0.0)
+            g.prec_set_acc(out, PREC_F32)  # out: [dv, nh, rows, ns]
+        else:
+            vc = g.new_4d(ctx, F16, kv_size, dv * nkv, ns, 1)  # transposed
+            mask = g.new_4d(ctx, F32, n_kv, rows, 1, ns)
+            kq = g.mul_mat(ctx, kp, qp)  # [n_kv, rows, nh, ns]
+            kq = g.soft_max_ext(ctx, kq, mask, 1.0 / float(np.sqrt(dk)), 0.0)
+            vview = g.view_4d(ctx, vc, n_kv, dv, nkv, ns, kv_size * h, kv_size * dv * h,
+                              kv_size * dv * nkv * h, 0)  # fmt: skip
+            out = g.mul_mat(ctx, vview, kq)  # [dv, rows, nh, ns]
+        buf = dev.upload(ctx)
+        try:
+            dev.put(kc, np.stack([data.k_of(s, kv_size) for s in streams]))
+            if flash:
+                dev.put(vc, np.stack([data.v_of(s, kv_size).T for s in streams]))
+            else:
+                dev.put(vc, np.stack([data.v_of(s, kv_size) for s in streams]))
+            q = np.stack([np.stack([data.q_at(s, start + r) for r in range(rows)])
+                          for s, start in zip(streams, starts, strict=True)])  # fmt: skip
+            dev.put(qt, q.astype(np.float32))
+            dev.put(mask, m.astype(np.float16) if flash else m)
+            dev.compute(ctx, out)
+            if flash:
+                return dev.get(out, (ns, rows, nh, dv)).transpose(0, 2, 1, 3)
+            return dev.get(out, (ns, nh, rows, dv))
+        finally:
+            g.buffer_free(buf)
+    finally:
+        g.free(ctx)
+
+
+def check_prompts(
+    weights: Sequence[tuple[WeightShape, Any]],
+    attention: AttentionShape | None,
+    *,
+    seqs: int,
+    n_ctx: int,
+    n_batch: int,
+    threads: int | None = None,
+    seed: int = 0,
+    seconds: float = ATTENTION_SECONDS,
+    uncovered: Sequence[str] = (),
+    flash: bool = False,
+    floors: tuple[int, int] = (PROMPT_FLOOR, PROMPT_FLOOR),
+) -> OpVerdict:
+    """Whether prompt calls of up to ``seqs`` sequences (``n_batch`` rows) give
+    every row its result alone, on the CPU at the prompt floors (``floors``:
+    others, for the tests; 0 is llama.cpp's own): ``size`` ``seqs`` if so, 1
+    if not (prompts then run alone). A llama.cpp without run-time floors gets
+    size 1 and says why."""
+    from jobs.engine.llama import library_dir
+
+    t0 = time.perf_counter()
+    ggml = Ggml(library_dir())
+    dev = Device(ggml, False, threads or len(os.sched_getaffinity(0)))
+    if ggml.floors is None:
+        dev.close()
+        missing = OpResult("run-time kernel floors", seqs, 2,
+                           "this llama.cpp has none (parkq's patch 0003)")  # fmt: skip
+        return OpVerdict(dev.name, seqs, n_ctx, [missing], time.perf_counter() - t0)
+    ggml.floors.set(*floors)
+    rng = np.random.default_rng(seed)
+    try:
+        ops = [check_matmul_prompts(dev, w, data,
+                                    prompt_widths(n_batch, max(seqs, 17) if _output(w) else None),
+                                    seqs, rng)
+               for w, data in weights]  # fmt: skip
+        if attention is not None:
+            ops.append(check_attention_prompts(dev, attention, n_ctx, seqs, n_batch, rng,
+                                               seconds, flash))  # fmt: skip
+    finally:
+        dev.close()
+    return OpVerdict(dev.name, seqs, n_ctx, ops, time.perf_counter() - t0, list(uncovered))
+
+
 def check_ops(
     weights: Sequence[tuple[WeightShape, Any]],
     attention: AttentionShape | None,
@@ -565,10 +816,14 @@ def check_model(
     threads: int | None = None,
     seconds: float = ATTENTION_SECONDS,
     flash: bool = False,
+    prompts: bool = False,
+    n_batch: int = 512,
+    floors: tuple[int, ...] = (PROMPT_FLOOR, PROMPT_FLOOR),
 ) -> OpVerdict:
     """:func:`check_ops` over the products and attention of the model file ``model``
     (``n_ctx`` 0: its training context, as llama.cpp takes 0; ``flash``: the
-    attention as flash attention)."""
+    attention as flash attention); ``prompts``: :func:`check_prompts` instead,
+    prompt calls of up to ``widths`` sequences and ``n_batch`` rows."""
     shapes = weight_shapes(model)
     weights = [(w, _tensor_bytes(shapes.reader, w.example)) for w in shapes.weights]
     uncovered = []
@@ -579,6 +834,11 @@ def check_model(
         uncovered.append("the fused kernels a GPU backend may take for one sequence")
     # llama.cpp pads each sequence's context to a multiple of 256: check all of it.
     n_ctx = _pad(n_ctx or shapes.n_ctx_train)
+    if prompts:
+        return check_prompts(weights, shapes.attention, seqs=widths, n_ctx=n_ctx,
+                             n_batch=n_batch, threads=threads, seconds=seconds,
+                             uncovered=uncovered, flash=flash,
+                             floors=(floors[0], floors[1]))  # fmt: skip
     return check_ops(weights, shapes.attention, widths=widths, n_ctx=n_ctx, gpu=gpu,
                      threads=threads, seconds=seconds, uncovered=uncovered,
                      flash=flash)  # fmt: skip
@@ -608,6 +868,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--gpu", action="store_true", help="check the first GPU, not the CPU")
     ap.add_argument("--flash-attn", action="store_true",
                     help="check flash attention (as an engine with it on runs)")  # fmt: skip
+    ap.add_argument("--prompts", action="store_true",
+                    help="check prompt calls of up to --widths sequences (batched prefill) "
+                    "at the prompt floors, on the CPU")  # fmt: skip
+    ap.add_argument("--batch", type=int, default=512, help="rows of a prompt call (n_batch)")
+    ap.add_argument("--prompt-floors", default=f"{PROMPT_FLOOR},{PROMPT_FLOOR}",
+                    help="with --prompts: the product's and the attention's floors to check "
+                    "at (the tests' 0,0: llama.cpp's own)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument(
         "--seconds",
@@ -619,7 +886,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     verdict = check_model(args.model, widths=args.widths, n_ctx=args.ctx, gpu=args.gpu,
                           threads=args.threads, seconds=args.seconds,
-                          flash=args.flash_attn)  # fmt: skip
+                          flash=args.flash_attn, prompts=args.prompts,
+                          n_batch=args.batch,
+                          floors=tuple(int(x) for x in args.prompt_floors.split(",")))  # fmt: skip
     if not args.json:
         for line in _lines(verdict):
             print(line)

@@ -414,7 +414,9 @@ class Store:
     def reader(self, job_id: str, delta: int, now: float) -> None:
         """A counted reader of the job (no lease) attaches (+1) or leaves (-1); a
         -1 that never comes, or a +1 applied twice, leaves it read for good
-        (:meth:`lease` has neither failure)."""
+        (:meth:`lease` has neither failure). parkq's own readers all hold leases
+        now; the count is kept for web processes of an earlier release during
+        a rolling upgrade."""
         k = self.keys
         self._run("reader", [k.job(job_id), k.readers(job_id)], ["", 0, repr(now), delta])
 

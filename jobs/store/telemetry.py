@@ -60,6 +60,14 @@ class Telemetry:
                     p.hincrbyfloat(self.keys.counters, f"step_seconds:{part}", seconds)
             p.execute()
 
+    def add_counts(self, counts: dict[str, int]) -> None:
+        """Add a worker's counts (jobs/worker/stepclock.py) to the counters."""
+        with self.r.pipeline(transaction=False) as p:
+            for what, n in counts.items():
+                if n:
+                    p.hincrby(self.keys.counters, what, n)
+            p.execute()
+
     def observe(self, histogram: str, value_ms: float) -> None:
         """Add one observation to a histogram (the same Lua as a step's)."""
         key = self.keys.histogram(histogram)

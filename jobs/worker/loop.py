@@ -261,6 +261,9 @@ class Worker(Executions):
         spent = CLOCK.take()
         if any(spent.values()):
             self._metric(lambda: self.telemetry.add_step_seconds(spent))
+        counts = CLOCK.take_counts()
+        if any(counts.values()):
+            self._metric(lambda: self.telemetry.add_counts(counts))
 
     # -- sequences --------------------------------------------------------
 
@@ -311,8 +314,9 @@ class Worker(Executions):
     def _step(self) -> None:
         """One engine step. Alone: its next call. Several: the planner
         (scheduler.batching) picks, from the measured step times, who decodes
-        a token in this step's one call and whose prefill chunks run, each in a
-        call of its own, with the boundaries it has alone."""
+        a token in this step's one call and whose prefill chunks run, with the
+        boundaries each has alone, several in one call where the engine's
+        kernels allow it (:meth:`_prefill_groups`)."""
         self._write_steps()  # left by an iteration that ended on a Redis error
         waiting = [r for r in self._running.values() if r.call is WAIT]
         runs = [r for r in self._running.values() if r.call is not WAIT]
@@ -321,6 +325,9 @@ class Worker(Executions):
             call = r.engine_call
             prefill = len(call.tokens) > 1
             ms = self._serve([r], lambda: [self.engine.eval(call.tokens, call.pos, r.seq)])
+            if prefill:
+                CLOCK.count("prefill_calls")
+                CLOCK.count("prefill_chunks")
             if len(self.slots) > 1:  # what the planner needs: one sequence's pace
                 self._measured(None if prefill else 1, ms)
         elif runs:
@@ -339,8 +346,10 @@ class Worker(Executions):
                 ms = self._serve(decoding, lambda: self.engine.decode(steps))
                 self._measured(len(steps), ms)
                 self._write_steps()  # every decoding sequence's tokens: one round trip
-            for p in [self._running[index] for index in plan.prefill]:
-                self._measured(None, self._serve([p], self._call_of(p)))
+            for group in self._prefill_groups([self._running[index] for index in plan.prefill]):
+                self._measured(None, self._serve(group, self._prefill_of(group)))
+                CLOCK.count("prefill_calls")
+                CLOCK.count("prefill_chunks", len(group))
                 # A prompt just prefilled has its first token: out now, not after
                 # the other prompts' chunks of this step.
                 self._write_steps()
@@ -400,6 +409,22 @@ class Worker(Executions):
         """``r``'s pending engine call, alone (a prefill chunk)."""
         call = r.engine_call
         return lambda: [self.engine.eval(call.tokens, call.pos, r.seq)]
+
+    def _prefill_groups(self, runs: list[Running]) -> list[list[Running]]:
+        """The planned prefill chunks as engine calls, in the plan's order: up to
+        the engine's :attr:`max_prefill` chunks per call (where its kernels give
+        each chunk its logits alone, or PARKQ_EXACT is off:
+        tools/worker_process.py), so that people arriving together wait for one
+        prefill call, not one each. The step's work is the same either way."""
+        width = self.engine.max_prefill
+        return [runs[i : i + width] for i in range(0, len(runs), width)]
+
+    def _prefill_of(self, group: list[Running]) -> Callable[[], list[np.ndarray]]:
+        """One call for ``group``'s prefill chunks (one chunk: :meth:`_call_of`)."""
+        if len(group) == 1:
+            return self._call_of(group[0])
+        chunks = [(r.seq, r.engine_call.tokens, r.engine_call.pos) for r in group]
+        return lambda: self.engine.prefill(chunks)
 
     def _measured(self, n: int | None, ms: float) -> None:
         """Fold a call's duration into the step times the planner is given: a

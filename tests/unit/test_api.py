@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any
 
 import fakeredis
@@ -187,3 +188,33 @@ def test_a_full_queue_answers_429_with_retry_after(settings, fake_redis) -> None
     assert codes == [200, 200, 429]
     assert fake_redis.zcard("{parkq}:queue") == 2
     assert fake_redis.llen("rq:queue:parkq") == 2  # the refused job left no RQ record
+
+
+def test_a_waiting_non_streamed_request_holds_a_lease_not_a_count(
+    client: FlaskClient, store: Store
+) -> None:
+    """While a non-streamed request waits, its job is read under a lease that
+    ends by itself (a web process killed meanwhile leaves the job detached once
+    the lease ends); when the request ends, the job is detached at once."""
+    answers: list[Any] = []
+    waiting = threading.Thread(
+        target=lambda: answers.append(client.post("/v1/completions", json={"prompt": "hello"}))
+    )
+    waiting.start()
+    lease = store.lease_seconds()
+    for _ in range(200):
+        job_ids = [j.decode() for j in store.r.zrange(store.keys.queue, 0, -1)]
+        if job_ids and store.r.zcard(store.keys.readers(job_ids[0])):
+            break
+        threading.Event().wait(0.02)
+    else:
+        raise AssertionError("the request never read its job")
+    job_id = job_ids[0]
+    held, detached = store.r.hmget(store.keys.job(job_id), ["held", "detached_at"])
+    assert int(held or 0) == 0  # no count that a killed process would leave behind
+    assert detached is not None and float(detached) > time.time() + lease / 2
+    store.cancel(job_id, time.time())
+    waiting.join(timeout=10)
+    assert not waiting.is_alive() and answers[0].status_code < 500
+    readers, detached = store.r.hmget(store.keys.job(job_id), ["readers", "detached_at"])
+    assert int(readers) == 0 and float(detached) <= time.time()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tools.documents import windows
+from tools.documents import Task, done_before, windows
 from tools.soak import parse_duration
 
 
@@ -47,3 +48,17 @@ def test_durations(text: str, seconds: float) -> None:
 def test_bad_durations(text: str) -> None:
     with pytest.raises(ValueError):
         parse_duration(text)
+
+
+@given(text=st.text())
+def test_a_document_done_is_known_whatever_its_answer_holds(tmp_path_factory, text: str) -> None:
+    """A rerun skips the documents whose rows are in the output, whatever
+    characters their answers hold (line and paragraph separators included)."""
+    out = tmp_path_factory.mktemp("out") / "results.jsonl"
+    task = Task()
+    rows = [
+        {"source": f"doc{i}.txt", "sha256": f"d{i}", "task": task.fingerprint(), "answer": text}
+        for i in range(2)
+    ]
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows) + '{"cut')
+    assert done_before(out, task) == {"doc0.txt": "d0", "doc1.txt": "d1"}

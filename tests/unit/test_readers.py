@@ -118,8 +118,9 @@ def test_two_readers_one_leaves_the_job_is_still_read(store: Store) -> None:
 
 
 def test_a_counted_reader_keeps_the_job_read_beside_a_lapsed_lease(store: Store) -> None:
-    """The non-streamed request's count (web/responses.py) and a stream's lease
-    add up; while the count holds, the job is not detached."""
+    """A counted reader (what a non-streamed request of an older web process
+    holds, during a rolling upgrade) and a stream's lease add up; while the
+    count holds, the job is not detached."""
     jobs = _jobs(store, "a")
     now = time.time()
     store.reader("a", +1, now)
