@@ -132,10 +132,11 @@ class Settings(BaseSettings):
     exact: bool = Field(
         True,
         description="Every sequence gets, bit for bit, the tokens it would get alone: "
-        "batched only as wide as these kernels allow (probed), flash attention only on a "
-        "CPU with parkq's llama.cpp and where the probe certifies it, no repacked weights "
-        "beside other sequences. Off: the fastest kernels llama.cpp has "
-        "here (repacked weights, flash attention, any batch width); priorities, parks and "
+        "batched only as wide as these kernels allow (probed), several prompts in one "
+        "prefill call and flash attention only on a CPU with parkq's llama.cpp and where "
+        "the probe certifies them, no repacked weights beside other sequences. Off: the "
+        "fastest kernels llama.cpp has here (repacked weights, flash attention, any batch "
+        "width, prompts prefilled together); priorities, parks and "
         "resumes all still work, but a run is no longer identical to one alone (what "
         "other servers give), and a job replayed after its worker died ends with a "
         "replay_diverged error where the replay computes other tokens.",

@@ -63,10 +63,15 @@ def run_worker(settings: Settings) -> None:
     )
     ops = None
     floor = ""
+    gpu = device_key(settings.n_gpu_layers) != "CPU"
     if settings.exact:
         at, said = keep_decode_untiled()
         floor = f", {TILED_FLOOR}={at}"
-        if patch_level() >= 1:
+        if prompt_floors(gpu):
+            log.info("%s: decode calls narrower than %d columns take the one-column "
+                     "product; prompt calls take the tiled K-quant product at every size "
+                     "(the run-time floor)", said, at)  # fmt: skip
+        elif patch_level() >= 1:
             log.info("%s: llama.cpp's tiled K-quant product takes calls of %d columns or "
                      "more (prompt chunks), narrower ones the one-column product (every "
                      "decode width below it)", said, at)  # fmt: skip
@@ -74,7 +79,6 @@ def run_worker(settings: Settings) -> None:
             log.warning("%s is set, but this llama.cpp is not the build parkq installs "
                         "(python -m tools.llamapatch ensure) and ignores it: on x86 its tiled "
                         "K-quant product takes over from 8 columns", said)  # fmt: skip
-    gpu = device_key(settings.n_gpu_layers) != "CPU"
     flash = False
     if settings.exact:
         flash, said = keep_attention_unsplit(gpu)
