@@ -293,7 +293,7 @@ def done_before(out: Path, task: Task) -> dict[str, str]:
     if not out.exists():
         return done
     # Lines end at "\n" only: the rows are written with ensure_ascii=False, so an
-    # answer may hold U+2028, U+0085 or a form feed raw (str.splitlines splits there).
+    # answer may hold U+0085, U+2028 or U+2029 raw (str.splitlines splits there).
     for line in out.read_text(encoding="utf-8").split("\n"):
         try:
             row = json.loads(line)

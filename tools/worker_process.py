@@ -14,6 +14,8 @@ import click
 from jobs.engine.capacity import sequence_plan
 from jobs.engine.kernels import (
     TILED_FLOOR,
+    OpChoice,
+    cpu_only_build,
     exact_kernels,
     exact_prompts,
     invariant_batch_size,
@@ -21,6 +23,7 @@ from jobs.engine.kernels import (
     keep_decode_untiled,
     patch_level,
     prompt_floors,
+    prompts_together,
     worker_kernels,
 )
 from jobs.engine.llama import LlamaEngine, NotRepeatable, build_info, device_key
@@ -187,7 +190,7 @@ def run_worker(settings: Settings) -> None:
     if not settings.exact:
         engine.plan_prefill(settings.max_seqs)
     elif prompts is not None:
-        engine.plan_prefill(prompts.size)
+        engine.plan_prefill(_prompt_width(engine, prompts, kernels.extra_buffers, settings))
     if floors:
         log.info("prompt calls on the tiled product and attention at every size, decode "
                  "calls on the one-row ones; up to %d prompts per call%s", engine.max_prefill,
@@ -225,3 +228,30 @@ def run_worker(settings: Settings) -> None:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     w.run()
+
+
+def _prompt_width(
+    engine: LlamaEngine, prompts: OpChoice, extra_buffers: bool, settings: Settings
+) -> int:
+    """How many prompts one prefill call of an exact worker takes: what the op
+    check of prompt calls certified, where it saw every kernel the engine runs
+    (the whole context, no weights left out, no repacked weights, no GPU
+    backend to take wide passes), and where the whole model agrees too
+    (:func:`prompts_together`); else 1, and the log says why."""
+    why = ""
+    if prompts.size <= 1:
+        why = f"the check of prompt calls refused it ({prompts.how})"
+    elif not prompts.complete:
+        why = f"the check of prompt calls did not cover everything ({prompts.how})"
+    elif extra_buffers:
+        why = "repacked weights (PARKQ_EXTRA_BUFFERS) compute a row by the width of its pass"
+    elif not cpu_only_build():
+        why = "a GPU build takes wide prompt passes to the GPU"
+    else:
+        ok, how = prompts_together(engine, prompts.size, settings.cache_dir)
+        if ok:
+            log.info("prompts together on the whole model: %s", how)
+            return prompts.size
+        why = f"the whole model differed: {how}"
+    log.warning("each prompt prefilled in a call of its own: %s", why)
+    return 1

@@ -41,6 +41,7 @@ __all__ = [
     "KernelChoice",
     "OpChoice",
     "choose_kernels",
+    "cpu_only_build",
     "exact_kernels",
     "exact_prompts",
     "invariant_batch_size",
@@ -50,6 +51,7 @@ __all__ = [
     "peer_server_command",
     "probe_command",
     "prompt_floors",
+    "prompts_together",
     "worker_attention",
     "worker_kernels",
 ]
@@ -283,7 +285,8 @@ class OpChoice:
 #: would prefill some prompts otherwise, and a job replayed from one on the
 #: other would diverge. Decode calls of up to 16 sequences stay under it; a
 #: worker of more sequences gets 16 per call on K-quant weights (the op check
-#: refuses 17). Prompt chunks of 8 to 16 tokens pay the one-column product.
+#: refuses 17). Prompt calls take the tiled product at every size (the engine's
+#: run-time floor, LlamaEngine._kernels_for) where llama.cpp has one (patch 3).
 EXACT_TILED_FLOOR = 17
 
 
@@ -378,6 +381,37 @@ def prompt_floors(gpu: bool) -> bool:
     return not gpu and patch_level() >= 3
 
 
+def prompts_together(engine: LlamaEngine, width: int, cache_dir: str | None) -> tuple[bool, str]:
+    """:meth:`LlamaEngine.probe_prefill` (``width`` prompts together against
+    alone, on the whole model), checked once and cached as
+    :func:`invariant_batch_size` is: whether they agreed, and what it found."""
+    from jobs.engine.llama import build_info
+
+    shape = (f"prefill {width} threads {engine.n_threads} ctx {engine.n_ctx} "
+             f"seqs {engine.n_seq_max} n_batch {engine.n_batch} device {engine.device} "
+             f"flash {engine.flash_attn} floors {engine.prompt_floors} "
+             f"env {kernel_environment()}")  # fmt: skip
+    key = _cache_key(engine.path, f"{build_info()}\n{shape}\n{engine.extra_buffers}")
+    path = _cache_path(cache_dir, key)
+    try:
+        cached = json.loads(path.read_text())
+        return bool(cached["together"]), f"cached: {cached['how']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    ok, how = engine.probe_prefill(width)
+    _remember(path, {"together": ok, "how": how})
+    return ok, f"checked: {how}"
+
+
+def cpu_only_build() -> bool:
+    """Whether this llama.cpp has no GPU backend: a GPU build takes a prompt
+    pass of 32 rows or more to the GPU even with no layers there (llama.cpp's
+    op offload), so its prompt calls are not the CPU's kernels alone."""
+    from jobs.engine.llama import gpu_layers
+
+    return gpu_layers(None) == 0
+
+
 def exact_prompts(
     settings: Settings,
     n_ctx: int,
@@ -396,8 +430,10 @@ def exact_prompts(
     limit = settings.max_seqs or 1
     model = settings.model or ""
     threads = settings.n_threads or len(os.sched_getaffinity(0))
-    command = opcheck_command(model, limit, n_ctx, threads, False, flash, settings.n_batch)
-    shape = (f"opcheck {VERSION} prompts {limit} batch {settings.n_batch} ctx {n_ctx} "
+    # A pass of a call is at most n_ubatch rows: the engine's chunk, or its sequences.
+    rows = max(settings.n_batch, limit + (settings.parked_seqs or 0))
+    command = opcheck_command(model, limit, n_ctx, threads, False, flash, rows)
+    shape = (f"opcheck {VERSION} prompts {limit} batch {rows} ctx {n_ctx} "
              f"threads {threads} flash {flash} env {kernel_environment()}")  # fmt: skip
     key = _cache_key(model, f"{build_info()}\n{device_key(settings.n_gpu_layers)}\n{shape}")
     verdict = _opcheck(command, _cache_path(settings.cache_dir, key), timeout)

@@ -596,6 +596,8 @@ class LlamaEngine(Vocab):
                 f"{' + '.join(d.describe() for d in gpus)}")  # fmt: skip
 
     def close(self) -> None:
+        if self._floors is not None:  # process-wide: given back for whoever comes next
+            self._kernels_for(False)
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
@@ -679,6 +681,59 @@ class LlamaEngine(Vocab):
             ptr = llama_cpp.llama_get_logits_ith(self.ctx.ctx, last[c])
             out.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
         return out
+
+    def prefill_lengths(self, width: int) -> list[int]:
+        """The prompt lengths :meth:`probe_prefill` takes: with chunks of
+        ``n_batch``, llama.cpp splits their shared calls into every kind of pass
+        it makes (one row per sequence beside others, sequences of unequal
+        chunks, a lone sequence's long remainder, two-token chunks)."""
+        nb = self.n_batch
+        base = [nb + nb // 2 + 1, 2, nb + 1, 37, nb, 3, 17, 65]
+        out = [base[i] if i < len(base) else 5 + 11 * i for i in range(width)]
+        return [max(2, min(x, self.n_ctx - 1)) for x in out]
+
+    def probe_prefill(self, width: int) -> tuple[bool, str]:
+        """End to end, what the op check of prompt calls vouches for op by op:
+        ``width`` prompts (:meth:`prefill_lengths`) prefilled each alone, then
+        together, the chunks of one index in one call; whether every logit
+        after each prompt agreed bit for bit, and what differed. Clears every
+        sequence."""
+        width = max(1, min(width, self.n_seq_max))
+        lengths = self.prefill_lengths(width)
+
+        def chunks(s: int) -> list[tuple[int, list[int], int]]:
+            out = []
+            for a in range(0, lengths[s], self.n_batch):
+                end = min(lengths[s], a + self.n_batch)
+                out.append((s, [self._probe_token(s, p) for p in range(a, end)], a))
+            return out
+
+        self.clear(-1)
+        alone = []
+        for s in range(width):
+            alone.append([self.eval(t, pos, s) for _, t, pos in chunks(s)][-1])
+            self.clear(s)
+        kept, self.max_prefill = self.max_prefill, width
+        got: dict[int, np.ndarray] = {}
+        try:
+            for c in range(max(len(chunks(s)) for s in range(width))):
+                group = [chunks(s)[c] for s in range(width) if c < len(chunks(s))]
+                ones = [g for g in group if len(g[1]) == 1]
+                wide = [g for g in group if len(g[1]) > 1]
+                results = [self.eval(t, pos, s) for s, t, pos in ones]
+                results += self.prefill(wide) if wide else []
+                for (s, _, _), out in zip(ones + wide, results, strict=True):
+                    got[s] = out
+        finally:
+            self.max_prefill = kept
+            self.clear(-1)
+        for s in range(width):
+            if not np.array_equal(alone[s], got[s]):
+                diff = float(np.max(np.abs(alone[s] - got[s])))
+                why = (f"a prompt of {lengths[s]} tokens beside prompts of {lengths} got "
+                       f"other logits than alone (max difference {diff:.3g})")  # fmt: skip
+                return False, why
+        return True, f"{width} prompts of {min(lengths)} to {max(lengths)} tokens as alone"
 
     def eval(self, tokens: Sequence[int], pos: int, seq: int = 0) -> np.ndarray:
         """Decode ``tokens`` at positions ``pos...`` of ``seq``; logits of the last one."""

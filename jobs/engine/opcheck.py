@@ -531,8 +531,9 @@ def _attend_flash(dev: Device, a: AttentionShape, data: _Streams, lengths: Seque
 #: The floors of a prompt call: every row on the tiled product and the tiled
 #: flash attention.
 PROMPT_FLOOR = 1
-#: Rows of a prompt pass the attention check takes per stream.
-PROMPT_ROWS = (2, 5, 16, 17, 63, 64, 65, 130)
+#: Rows of a prompt pass the attention check takes per stream (and the pass's
+#: size, n_ubatch, and two less: a lone sequence's remainder).
+PROMPT_ROWS = (1, 2, 5, 16, 17, 63, 64, 65, 130)
 
 
 def prompt_widths(n_batch: int, top: int | None = None) -> list[int]:
@@ -597,8 +598,8 @@ def prompt_arrangements(n_ctx: int, seqs: int, n_batch: int) -> list[tuple[int, 
     ``seqs`` streams at staggered starts. In increasing order of the cells a
     pass spans."""
     out: set[tuple[int, tuple[int, ...]]] = set()
-    for rows in PROMPT_ROWS:
-        if rows > n_ctx:
+    for rows in sorted({*PROMPT_ROWS, n_batch - 2, n_batch}):
+        if not 0 < rows <= min(n_ctx, n_batch):
             continue
         last = n_ctx - rows
         ends = sorted(x for x in {0, 1, max(0, KV_PAD - rows // 2), last} if x <= last)

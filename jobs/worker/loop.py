@@ -22,7 +22,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -63,6 +63,8 @@ from scheduler.state import TERMINAL, JobState
 __all__ = ["Worker", "default_worker_name"]
 
 T = TypeVar("T")
+#: An engine call's outcome for one sequence: its logits, or the engine's error.
+Result = np.ndarray | EngineError
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +349,8 @@ class Worker(Executions):
                 self._measured(len(steps), ms)
                 self._write_steps()  # every decoding sequence's tokens: one round trip
             for group in self._prefill_groups([self._running[index] for index in plan.prefill]):
-                self._measured(None, self._serve(group, self._prefill_of(group)))
+                # What the planner weighs is one chunk's cost: a shared call's, shared.
+                self._measured(None, self._serve(group, self._prefill_of(group)) / len(group))
                 CLOCK.count("prefill_calls")
                 CLOCK.count("prefill_chunks", len(group))
                 # A prompt just prefilled has its first token: out now, not after
@@ -419,12 +422,31 @@ class Worker(Executions):
         width = self.engine.max_prefill
         return [runs[i : i + width] for i in range(0, len(runs), width)]
 
-    def _prefill_of(self, group: list[Running]) -> Callable[[], list[np.ndarray]]:
-        """One call for ``group``'s prefill chunks (one chunk: :meth:`_call_of`)."""
+    def _prefill_of(self, group: list[Running]) -> Callable[[], Sequence[Result]]:
+        """One call for ``group``'s prefill chunks (one chunk: :meth:`_call_of`).
+        If the shared call fails, each chunk runs again alone (its sequence cut
+        back to the chunk's start first), so that one chunk llama.cpp refuses
+        fails its own job only."""
         if len(group) == 1:
             return self._call_of(group[0])
         chunks = [(r.seq, r.engine_call.tokens, r.engine_call.pos) for r in group]
-        return lambda: self.engine.prefill(chunks)
+
+        def call() -> list[Result]:
+            try:
+                return list(self.engine.prefill(chunks))
+            except EngineError as exc:
+                log.warning("a prefill call of %d prompts failed (%s); each alone",
+                            len(chunks), exc)  # fmt: skip
+            out: list[Result] = []
+            for seq, tokens, pos in chunks:
+                try:
+                    self.engine.truncate(pos, seq)
+                    out.append(self.engine.eval(tokens, pos, seq))
+                except EngineError as exc:
+                    out.append(exc)
+            return out
+
+        return call
 
     def _measured(self, n: int | None, ms: float) -> None:
         """Fold a call's duration into the step times the planner is given: a
@@ -436,13 +458,13 @@ class Worker(Executions):
             old = self._decode_ms.get(n, ms)
             self._decode_ms[n] = old + EWMA * (ms - old)
 
-    def _serve(self, runs: list[Running], call: Callable[[], list[np.ndarray]]) -> float:
+    def _serve(self, runs: list[Running], call: Callable[[], Sequence[Result]]) -> float:
         """Make one engine call for ``runs`` and send each its logits (or the
         engine's error); a generation that ends frees its sequence. Returns the
         call's duration in ms."""
         t0 = time.perf_counter()
         try:
-            results: list[np.ndarray | EngineError] = list(call())
+            results: list[Result] = list(call())
         except EngineError as exc:
             results = [exc] * len(runs)
         seconds = time.perf_counter() - t0

@@ -168,6 +168,24 @@ def test_the_op_check_certifies_prompt_calls_only_at_the_prompt_floors(
     assert choice.size == 8 and choice.complete, choice.how
 
 
+@pytest.mark.parametrize("flash", [False, True], ids=["plain attention", "flash attention"])
+def test_the_whole_model_check_of_prompts_together_agrees_only_with_the_floors(
+    kquant_model: Path, flash: bool
+) -> None:
+    """What the worker runs after the op check (LlamaEngine.probe_prefill):
+    prompts whose lengths make llama.cpp cut their shared calls into every kind
+    of pass agree with alone at the prompt floors, and not at llama.cpp's own."""
+    for floors in (True, False):
+        engine = LlamaEngine(str(kquant_model), n_ctx=1024, n_batch=64, n_seq_max=8,
+                             extra_buffers=False, n_gpu_layers=0, flash_attn=flash,
+                             prompt_floors=floors)  # fmt: skip
+        ok, how = engine.probe_prefill(8)
+        engine.close()
+        assert ok == floors, how
+        if not floors:
+            assert "got other logits than alone" in how
+
+
 def _bodies() -> list[dict[str, Any]]:
     """Six people's requests, each sampling its own way (the openai client's
     defaults among them), prompts of several lengths."""
