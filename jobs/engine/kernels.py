@@ -200,6 +200,19 @@ class BatchVerdict(NamedTuple):
     partial: bool
 
 
+def _engine_cache(engine: LlamaEngine, what: str, cache_dir: str | None) -> Path:
+    """Where a whole-model check of ``engine`` (``what``) is cached: per llama.cpp
+    build, CPU, model file, engine shape, device, attention, repacked weights
+    and kernel environment."""
+    from jobs.engine.llama import build_info
+
+    shape = (f"{what} threads {engine.n_threads} ctx {engine.n_ctx} "
+             f"seqs {engine.n_seq_max} n_batch {engine.n_batch} device {engine.device} "
+             f"flash {engine.flash_attn} env {kernel_environment()}")  # fmt: skip
+    key = _cache_key(engine.path, f"{build_info()}\n{shape}\n{engine.extra_buffers}")
+    return _cache_path(cache_dir, key)
+
+
 def invariant_batch_size(engine: LlamaEngine, limit: int, cache_dir: str | None) -> BatchVerdict:
     """How many sequences one decode call of ``engine`` may take and stay exact
     (:meth:`LlamaEngine.probe_invariance`), checked once and cached per llama.cpp
@@ -208,14 +221,9 @@ def invariant_batch_size(engine: LlamaEngine, limit: int, cache_dir: str | None)
 
     A verdict cut short by the probe's time budget is kept too (it says how far it
     got); a build that does not repeat a step raises :class:`NotRepeatable`."""
-    from jobs.engine.llama import ProbeVerdict, build_info
+    from jobs.engine.llama import ProbeVerdict
 
-    shape = (f"batch {limit} threads {engine.n_threads} ctx {engine.n_ctx} "
-             f"seqs {engine.n_seq_max} n_batch {engine.n_batch} device {engine.device} "
-             f"exact {engine.exact} flash {engine.flash_attn} "
-             f"env {kernel_environment()}")  # fmt: skip
-    key = _cache_key(engine.path, f"{build_info()}\n{shape}\n{engine.extra_buffers}")
-    path = _cache_path(cache_dir, key)
+    path = _engine_cache(engine, f"batch {limit} exact {engine.exact}", cache_dir)
     try:
         verdict = ProbeVerdict.from_json(json.loads(path.read_text())["probe"])
         how = f"cached: {verdict.describe()}"
@@ -385,14 +393,7 @@ def prompts_together(engine: LlamaEngine, width: int, cache_dir: str | None) -> 
     """:meth:`LlamaEngine.probe_prefill` (``width`` prompts together against
     alone, on the whole model), checked once and cached as
     :func:`invariant_batch_size` is: whether they agreed, and what it found."""
-    from jobs.engine.llama import build_info
-
-    shape = (f"prefill {width} threads {engine.n_threads} ctx {engine.n_ctx} "
-             f"seqs {engine.n_seq_max} n_batch {engine.n_batch} device {engine.device} "
-             f"flash {engine.flash_attn} floors {engine.prompt_floors} "
-             f"env {kernel_environment()}")  # fmt: skip
-    key = _cache_key(engine.path, f"{build_info()}\n{shape}\n{engine.extra_buffers}")
-    path = _cache_path(cache_dir, key)
+    path = _engine_cache(engine, f"prefill {width} floors {engine.prompt_floors}", cache_dir)
     try:
         cached = json.loads(path.read_text())
         return bool(cached["together"]), f"cached: {cached['how']}"

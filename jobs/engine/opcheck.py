@@ -47,6 +47,7 @@ it prints one line per op and a JSON verdict.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -283,27 +284,35 @@ def _first_difference(alone: np.ndarray, together: np.ndarray) -> tuple[int, flo
     return j, float(np.nanmax(np.abs(alone[j].astype(np.float64) - together[j])))
 
 
-def check_matmul(dev: Device, w: WeightShape, data: Any, widths: int,
-                 rng: np.random.Generator) -> OpResult:  # fmt: skip
-    """``w``'s product with 1..``widths`` columns against each column alone."""
-    g, t0 = dev.g, time.perf_counter()
+@contextlib.contextmanager
+def _weight(dev: Device, w: WeightShape, data: Any) -> Iterator[int]:
+    """``w``'s tensor on the device, holding ``data`` (the model's bytes)."""
+    g = dev.g
     wctx = dev.context(1)
     try:
         weight = g.new_4d(wctx, w.ggml_type, w.cols, w.rows, 1, 1)
         wbuf = dev.upload(wctx)
         try:
             dev.put(weight, np.asarray(data).reshape(-1).view(np.uint8))
-            x = rng.standard_normal((widths, w.cols)).astype(np.float32)
-            alone = np.stack([_product(dev, weight, w, x[j : j + 1])[0] for j in range(widths)])
-            for n in range(2, widths + 1):
-                found = _first_difference(alone[:n], _product(dev, weight, w, x[:n]))
-                if found is not None:
-                    return OpResult(w.name, widths, n, f"column {found[0]}", found[1],
-                                    time.perf_counter() - t0)  # fmt: skip
+            yield weight
         finally:
             g.buffer_free(wbuf)
     finally:
         g.free(wctx)
+
+
+def check_matmul(dev: Device, w: WeightShape, data: Any, widths: int,
+                 rng: np.random.Generator) -> OpResult:  # fmt: skip
+    """``w``'s product with 1..``widths`` columns against each column alone."""
+    t0 = time.perf_counter()
+    with _weight(dev, w, data) as weight:
+        x = rng.standard_normal((widths, w.cols)).astype(np.float32)
+        alone = np.stack([_product(dev, weight, w, x[j : j + 1])[0] for j in range(widths)])
+        for n in range(2, widths + 1):
+            found = _first_difference(alone[:n], _product(dev, weight, w, x[:n]))
+            if found is not None:
+                return OpResult(w.name, widths, n, f"column {found[0]}", found[1],
+                                time.perf_counter() - t0)  # fmt: skip
     return OpResult(w.name, widths, None, "", 0.0, time.perf_counter() - t0)
 
 
@@ -563,29 +572,20 @@ def check_matmul_prompts(dev: Device, w: WeightShape, data: Any, widths: Sequenc
     """``w``'s product with each of ``widths`` columns against each (sampled)
     column alone, at the prompt floors; a difference at any width refuses
     prompt calls of more than one sequence (reported as width 2)."""
-    g, t0 = dev.g, time.perf_counter()
-    wctx = dev.context(1)
-    try:
-        weight = g.new_4d(wctx, w.ggml_type, w.cols, w.rows, 1, 1)
-        wbuf = dev.upload(wctx)
-        try:
-            dev.put(weight, np.asarray(data).reshape(-1).view(np.uint8))
-            x = rng.standard_normal((max(widths), w.cols)).astype(np.float32)
-            alone: dict[int, np.ndarray] = {}
-            for n in widths:
-                got = _product(dev, weight, w, x[:n])
-                cols = _sampled(n)
-                for j in cols:
-                    if j not in alone:
-                        alone[j] = _product(dev, weight, w, x[j : j + 1])[0]
-                found = _first_difference(np.stack([alone[j] for j in cols]), got[cols])
-                if found is not None:
-                    return OpResult(w.name, seqs, 2, f"column {cols[found[0]]} of {n}",
-                                    found[1], time.perf_counter() - t0)  # fmt: skip
-        finally:
-            g.buffer_free(wbuf)
-    finally:
-        g.free(wctx)
+    t0 = time.perf_counter()
+    with _weight(dev, w, data) as weight:
+        x = rng.standard_normal((max(widths), w.cols)).astype(np.float32)
+        alone: dict[int, np.ndarray] = {}
+        for n in widths:
+            got = _product(dev, weight, w, x[:n])
+            cols = _sampled(n)
+            for j in cols:
+                if j not in alone:
+                    alone[j] = _product(dev, weight, w, x[j : j + 1])[0]
+            found = _first_difference(np.stack([alone[j] for j in cols]), got[cols])
+            if found is not None:
+                return OpResult(w.name, seqs, 2, f"column {cols[found[0]]} of {n}",
+                                found[1], time.perf_counter() - t0)  # fmt: skip
     return OpResult(w.name, seqs, None, "", 0.0, time.perf_counter() - t0)
 
 
