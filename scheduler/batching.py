@@ -1,8 +1,8 @@
 """Which of an engine's running sequences one step serves: pure, no clock.
 
 A worker with several sequences runs, per step, one engine call that decodes a
-token of each chosen decoding sequence, and at most one prefill chunk in a
-call of its own. This module decides who is in that step, from numbers the
+token of each chosen decoding sequence, and the prefill chunks it picks (the
+worker puts them in as few calls as its kernels allow: jobs/worker/loop.py). This module decides who is in that step, from numbers the
 worker measures and passes in (how long a decode call of ``n`` sequences
 takes, how long a prefill chunk takes); it guesses nothing.
 
@@ -21,8 +21,7 @@ Invariants (property-tested):
 - the ones that wait longest are considered first, so the batch sequences
   take turns;
 - every interactive sequence that is prefilling gets one prefill chunk per
-  step, each in a call of its own (its time to first token is the latency a
-  person feels; a chunk is at most ``n_batch`` tokens, so a decoding stream's
+  step (its time to first token is the latency a person feels; a chunk is at most ``n_batch`` tokens, so a decoding stream's
   step grows by one bounded chunk per arrival, and only until its prompt is in);
 - otherwise at most one batch prefill chunk runs, when nothing interactive
   decodes or when its measured cost fits the same slack spread over the steps
@@ -55,8 +54,8 @@ class SeqView:
 class StepPlan:
     #: Sequences that decode one token each, in one engine call.
     decode: tuple[int, ...]
-    #: The sequences whose next prefill chunk runs, each in a call of its own,
-    #: in this order.
+    #: The sequences whose next prefill chunk runs, in this order (several in
+    #: one call where the worker's kernels allow it).
     prefill: tuple[int, ...] = ()
 
 

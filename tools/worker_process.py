@@ -109,8 +109,15 @@ def run_worker(settings: Settings) -> None:
     floors = settings.exact and prompt_floors(gpu)
     prompts = None
     if floors and settings.max_seqs > 1:
-        prompts = exact_prompts(settings, settings.n_ctx, flash=flash)
-        log.info("per-op check of prompt calls: %s", prompts.how)
+        if kernels.extra_buffers:
+            log.warning("each prompt prefilled in a call of its own: repacked weights "
+                        "(PARKQ_EXTRA_BUFFERS) compute a row by the width of its pass")  # fmt: skip
+        elif not cpu_only_build():
+            log.warning("each prompt prefilled in a call of its own: a GPU build takes wide "
+                        "prompt passes to the GPU")  # fmt: skip
+        else:
+            prompts = exact_prompts(settings, settings.n_ctx, flash=flash)
+            log.info("per-op check of prompt calls: %s", prompts.how)
     try:
         engine = LlamaEngine(
             settings.model or "",
@@ -190,7 +197,7 @@ def run_worker(settings: Settings) -> None:
     if not settings.exact:
         engine.plan_prefill(settings.max_seqs)
     elif prompts is not None:
-        engine.plan_prefill(_prompt_width(engine, prompts, kernels.extra_buffers, settings))
+        engine.plan_prefill(_prompt_width(engine, prompts, settings))
     if floors:
         log.info("prompt calls on the tiled product and attention at every size, decode "
                  "calls on the one-row ones; up to %d prompts per call%s", engine.max_prefill,
@@ -230,23 +237,18 @@ def run_worker(settings: Settings) -> None:
     w.run()
 
 
-def _prompt_width(
-    engine: LlamaEngine, prompts: OpChoice, extra_buffers: bool, settings: Settings
-) -> int:
+def _prompt_width(engine: LlamaEngine, prompts: OpChoice, settings: Settings) -> int:
     """How many prompts one prefill call of an exact worker takes: what the op
-    check of prompt calls certified, where it saw every kernel the engine runs
-    (the whole context, no weights left out, no repacked weights, no GPU
-    backend to take wide passes), and where the whole model agrees too
-    (:func:`prompts_together`); else 1, and the log says why."""
+    check of prompt calls certified (run only without repacked weights and on a
+    build with no GPU backend to take wide passes), where it saw every kernel
+    the engine runs (the whole context, no weights left out), and where the
+    whole model agrees too (:func:`prompts_together`); else 1, and the log
+    says why."""
     why = ""
     if prompts.size <= 1:
         why = f"the check of prompt calls refused it ({prompts.how})"
     elif not prompts.complete:
         why = f"the check of prompt calls did not cover everything ({prompts.how})"
-    elif extra_buffers:
-        why = "repacked weights (PARKQ_EXTRA_BUFFERS) compute a row by the width of its pass"
-    elif not cpu_only_build():
-        why = "a GPU build takes wide prompt passes to the GPU"
     else:
         ok, how = prompts_together(engine, prompts.size, settings.cache_dir)
         if ok:

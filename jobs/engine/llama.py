@@ -508,7 +508,6 @@ class LlamaEngine(Vocab):
             if self._floors is None:
                 raise ValueError("this llama.cpp has no run-time kernel floors (parkq's "
                                  "patch 0003: python -m tools.llamapatch ensure)")  # fmt: skip
-        self._floors_at: tuple[int, int] | None = None
         #: Flash attention in exact mode (where the worker's op check certified
         #: it, with llama.cpp's KV split off: jobs/engine/kernels.py).
         self.flash_attn = flash_attn or not exact
@@ -629,10 +628,9 @@ class LlamaEngine(Vocab):
         shares it. Without floors (stock llama.cpp, or not asked) nothing."""
         if self._floors is None:
             return
-        want = (1, 1) if prompt else (0, 0)
-        if want != self._floors_at:
-            self._floors.set(*want)
-            self._floors_at = want
+        # Set at every call (two stores): the floors are the process's, and
+        # nothing else may have left them as this engine last set them.
+        self._floors.set(*((1, 1) if prompt else (0, 0)))
 
     def plan_prefill(self, width: int) -> None:
         """Let :meth:`prefill` put up to ``width`` sequences' chunks in one call

@@ -767,6 +767,7 @@ def check_prompts(
             ops.append(check_attention_prompts(dev, attention, n_ctx, seqs, n_batch, rng,
                                                seconds, flash))  # fmt: skip
     finally:
+        ggml.floors.set(0, 0)  # the process's: given back
         dev.close()
     return OpVerdict(dev.name, seqs, n_ctx, ops, time.perf_counter() - t0, list(uncovered))
 

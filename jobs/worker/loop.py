@@ -349,8 +349,9 @@ class Worker(Executions):
                 self._measured(len(steps), ms)
                 self._write_steps()  # every decoding sequence's tokens: one round trip
             for group in self._prefill_groups([self._running[index] for index in plan.prefill]):
-                # What the planner weighs is one chunk's cost: a shared call's, shared.
-                self._measured(None, self._serve(group, self._prefill_of(group)) / len(group))
+                ms = self._serve(group, self._prefill_of(group))
+                if len(group) == 1:  # what the planner weighs: a chunk alone (batch ones are)
+                    self._measured(None, ms)
                 CLOCK.count("prefill_calls")
                 CLOCK.count("prefill_chunks", len(group))
                 # A prompt just prefilled has its first token: out now, not after

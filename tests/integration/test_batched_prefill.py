@@ -45,7 +45,7 @@ from tests.integration.helpers import (
     wait_until,
 )
 from tests.integration.test_parking import SAMPLING
-from tests.integration.test_workers import Cluster, running_cluster
+from tests.integration.test_workers import Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(
@@ -135,7 +135,7 @@ def test_without_the_floors_prompts_in_shared_calls_get_other_logits(kquant_mode
 
 
 def test_the_op_check_certifies_prompt_calls_only_at_the_prompt_floors(
-    kquant_model: Path, tmp_path: Path
+    kquant_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The check of prompt calls (each product at widths 1 to 256, the
     attention of prompt passes of 2 to 130 rows per sequence, beside others and
@@ -158,14 +158,11 @@ def test_the_op_check_certifies_prompt_calls_only_at_the_prompt_floors(
     # What the worker runs: cached per build, model and settings.
     settings = Settings(model=str(kquant_model), max_seqs=8, n_ctx=1024,
                         cache_dir=str(tmp_path))  # fmt: skip
-    os.environ.update(DECODE)
-    try:
-        choice = exact_prompts(settings, 1024, flash=True)
-        assert exact_prompts(settings, 1024, flash=False).size == plain["size"]
-    finally:
-        for k in DECODE:
-            os.environ.pop(k, None)
+    for k, v in DECODE.items():
+        monkeypatch.setenv(k, v)
+    choice = exact_prompts(settings, 1024, flash=True)
     assert choice.size == 8 and choice.complete, choice.how
+    assert exact_prompts(settings, 1024, flash=False).size == plain["size"]
 
 
 @pytest.mark.parametrize("flash", [False, True], ids=["plain attention", "flash attention"])
@@ -207,13 +204,20 @@ def test_people_arriving_together_share_prefill_calls_and_stream_what_they_strea
     ``parkq_prefill_calls_total``), and each streams what a one-sequence worker
     streams for it alone, text and logprobs."""
     bodies = _bodies()
-    (tmp_path / "ref").mkdir()
-    alone = f"pra{time.monotonic_ns()}"
-    with running_cluster(redis_server.url, kquant_model, tmp_path / "ref", alone, ("one",)) as c:
-        references = [read_events(submit_stream(c.base_url, body)) for body in bodies]
+    # A context the checks cover in their time on a loaded machine, the same for
+    # both workers; their verdicts cached in the test's own folder.
+    env = {"PARKQ_N_CTX": "1024", "PARKQ_CACHE_DIR": str(tmp_path / "cache")}
+    one = Cluster(redis_server.url, kquant_model, _dir(tmp_path / "ref"),
+                  prefix=f"pra{time.monotonic_ns()}")  # fmt: skip
+    try:
+        one.start_web()
+        one.start_worker("one", env=env)
+        wait_until(lambda: one.workers_alive() == 1, timeout=120)
+        references = [read_events(submit_stream(one.base_url, body)) for body in bodies]
+    finally:
+        one.stop()
     prefix = f"prb{time.monotonic_ns()}"
-    (tmp_path / "together").mkdir()
-    c = Cluster(redis_server.url, kquant_model, tmp_path / "together", prefix=prefix)
+    c = Cluster(redis_server.url, kquant_model, _dir(tmp_path / "together"), prefix=prefix)
     try:
         c.start_web()
         wait_until(lambda: _up(c), timeout=60)
@@ -226,9 +230,10 @@ def test_people_arriving_together_share_prefill_calls_and_stream_what_they_strea
         readers = [threading.Thread(target=read, args=(i,)) for i in range(len(bodies))]
         for t in readers:
             t.start()
-        c.start_worker("six", env={"PARKQ_MAX_SEQS": "6", "PARKQ_N_THREADS": "2"})
+        c.start_worker("six", env={**env, "PARKQ_MAX_SEQS": "6", "PARKQ_N_THREADS": "2"})
         for t in readers:
             t.join(timeout=500)
+        assert not any(t.is_alive() for t in readers)
         for got, ref in zip(results, references, strict=True):
             assert [i for i, _ in got] == list(range(1, len(got) + 1))
             assert completion_text(got) == completion_text(ref)
@@ -247,6 +252,11 @@ def _metrics(c: Cluster) -> dict[str, float]:
 
     text = requests.get(c.base_url + "/metrics", timeout=10).text
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def _dir(path: Path) -> Path:
+    path.mkdir()
+    return path
 
 
 def _up(c: Cluster) -> bool:

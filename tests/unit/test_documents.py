@@ -6,7 +6,7 @@ import itertools
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tools.documents import Task, done_before, windows
@@ -51,6 +51,8 @@ def test_bad_durations(text: str) -> None:
 
 
 @given(text=st.text())
+@example(text="\x85").via("U+0085, which str.splitlines splits at")
+@example(text="a\u2028b\u2029c").via("the line and paragraph separators")
 def test_a_document_done_is_known_whatever_its_answer_holds(tmp_path_factory, text: str) -> None:
     """A rerun skips the documents whose rows are in the output, whatever
     characters their answers hold (line and paragraph separators included)."""
