@@ -2,8 +2,9 @@
 
 A worker with several sequences runs, per step, one engine call that decodes a
 token of each chosen decoding sequence, and the prefill chunks it picks (the
-worker puts them in as few calls as its kernels allow: jobs/worker/loop.py). This module decides who is in that step, from numbers the
-worker measures and passes in (how long a decode call of ``n`` sequences
+worker puts them in as few calls as its kernels allow: jobs/worker/loop.py).
+This module decides who is in that step, from numbers the worker measures
+and passes in (how long a decode call of ``n`` sequences
 takes, how long a prefill chunk takes); it guesses nothing.
 
 Invariants (property-tested):
@@ -21,8 +22,9 @@ Invariants (property-tested):
 - the ones that wait longest are considered first, so the batch sequences
   take turns;
 - every interactive sequence that is prefilling gets one prefill chunk per
-  step (its time to first token is the latency a person feels; a chunk is at most ``n_batch`` tokens, so a decoding stream's
-  step grows by one bounded chunk per arrival, and only until its prompt is in);
+  step (its time to first token is the latency a person feels; a chunk is
+  at most ``n_batch`` tokens, so a decoding stream's step grows by one
+  bounded chunk per arrival, and only until its prompt is in);
 - otherwise at most one batch prefill chunk runs, when nothing interactive
   decodes or when its measured cost fits the same slack spread over the steps
   it has waited.
