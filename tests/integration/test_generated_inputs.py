@@ -48,12 +48,13 @@ class App:
         self.job_id = self._cancelled_job()
 
     def keys(self) -> set[bytes]:
-        """Every key of this app's store and of RQ, but its telemetry and RQ's
-        worker registrations (no request makes one; other tests' workers on this
-        Redis come and go, and their keys expire, while this test runs)."""
+        """Every key of this app's store and of RQ, but its telemetry and what
+        only RQ workers write: their registrations and their executions of jobs
+        (no request makes one; other tests' workers on this Redis come and go,
+        take jobs, and their keys expire, while this test runs)."""
         found = set(self.r.scan_iter(f"{self.prefix}:*", count=1000))
         found |= {k for k in self.r.scan_iter("rq:*", count=1000)
-                  if not k.startswith(b"rq:worker")}  # fmt: skip
+                  if not k.startswith((b"rq:worker", b"rq:execution"))}  # fmt: skip
         return {k for k in found if not any(t.encode() in k for t in TELEMETRY)}
 
     def _cancelled_job(self) -> str:
