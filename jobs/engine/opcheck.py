@@ -869,7 +869,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--gpu", action="store_true", help="check the first GPU, not the CPU")
     ap.add_argument("--flash-attn", action="store_true",
-                    help="check flash attention (as an engine with it on runs)")  # fmt: skip
+                    help="check flash attention (as an exact worker runs it: on a CPU with "
+                    "GGML_CPU_FA_SPLIT_KV=0 unless it is set)")  # fmt: skip
     ap.add_argument("--prompts", action="store_true",
                     help="check prompt calls of up to --widths sequences (batched prefill) "
                     "at the prompt floors, on the CPU")  # fmt: skip
@@ -886,6 +887,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--json", action="store_true", help="print only the JSON verdict")
     args = ap.parse_args(argv)
+    if args.flash_attn and not args.gpu and "GGML_CPU_FA_SPLIT_KV" not in os.environ:
+        # As an exact worker runs it (jobs.engine.kernels.keep_attention_unsplit):
+        # a lone row's cells not split across threads. Set the switch to 1 to
+        # check llama.cpp's own split (which a lone row's result depends on).
+        os.environ["GGML_CPU_FA_SPLIT_KV"] = "0"
     verdict = check_model(args.model, widths=args.widths, n_ctx=args.ctx, gpu=args.gpu,
                           threads=args.threads, seconds=args.seconds,
                           flash=args.flash_attn, prompts=args.prompts,

@@ -37,7 +37,7 @@ __all__ = ["BASE_VERSION", "apply", "ensure", "label", "patches", "wheel"]
 #: The llama-cpp-python release the patches are written against.
 BASE_VERSION = "0.3.36"
 #: Raised whenever a patch is added or changed (the local version label).
-PATCH_LEVEL = 3
+PATCH_LEVEL = 4
 
 HERE = Path(__file__).resolve().parent
 
@@ -65,6 +65,8 @@ _ADDS = {
     "0002-cpu-fa-split-kv-switch.patch": ("ggml/src/ggml-cpu/ops.cpp", "GGML_CPU_FA_SPLIT_KV"),
     "0003-cpu-run-time-tiled-floors.patch": ("ggml/include/ggml-cpu.h",
                                             "ggml_cpu_set_fa_tiled_min_rows"),
+    "0004-cpu-fa-tiled-tile-rows.patch": ("ggml/src/ggml-cpu/ops.cpp",
+                                          "short tile is not padded to Q_TILE_SZ"),
 }  # fmt: skip
 
 
