@@ -343,23 +343,36 @@ class Worker(Executions):
             for r in runs:
                 r.waited += 1
             decoding = [self._running[index] for index in plan.decode]
+            prefilling = [self._running[index] for index in plan.prefill]
+            # A person waiting for a first token goes before the decoders' next
+            # one: their prompts are prefilled first in the step (the decoders'
+            # token comes one prefill later, once; their pace is the same). A
+            # batch chunk comes after the decode, as the planner sized it.
+            first = any(r.interactive for r in prefilling)
+            if first:
+                self._prefill(prefilling)
             if decoding:
                 steps = [(r.seq, r.engine_call.tokens[0], r.engine_call.pos) for r in decoding]
                 ms = self._serve(decoding, lambda: self.engine.decode(steps))
                 self._measured(len(steps), ms)
                 self._write_steps()  # every decoding sequence's tokens: one round trip
-            for group in self._prefill_groups([self._running[index] for index in plan.prefill]):
-                ms = self._serve(group, self._prefill_of(group))
-                if len(group) == 1:  # what the planner weighs: a chunk alone (batch ones are)
-                    self._measured(None, ms)
-                CLOCK.count("prefill_calls")
-                CLOCK.count("prefill_chunks", len(group))
-                # A prompt just prefilled has its first token: out now, not after
-                # the other prompts' chunks of this step.
-                self._write_steps()
+            if not first:
+                self._prefill(prefilling)
         for r in waiting:  # a sibling's prompt may be ready now
             self._deliver(r, NOTHING)
         self._write_steps()
+
+    def _prefill(self, runs: list[Running]) -> None:
+        """The step's prefill chunks, in as few calls as the kernels allow."""
+        for group in self._prefill_groups(runs):
+            ms = self._serve(group, self._prefill_of(group))
+            if len(group) == 1:  # what the planner weighs: a chunk alone (batch ones are)
+                self._measured(None, ms)
+            CLOCK.count("prefill_calls")
+            CLOCK.count("prefill_chunks", len(group))
+            # A prompt just prefilled has its first token: out now, not after
+            # the other prompts' chunks of this step.
+            self._write_steps()
 
     def _write_steps(self) -> None:
         """Make the step writes the generations left to the worker, all in one

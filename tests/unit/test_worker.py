@@ -534,3 +534,81 @@ def test_a_worker_deletes_the_jobs_index_earlier_versions_left(
         while fake_redis.exists("{parkq}:jobs"):
             assert time.monotonic() < deadline
             time.sleep(0.01)
+
+
+class _TwoSequences(FakeEngine):
+    """Two sequences with a context each, 5 ms a call; logs each call as
+    ``(kind, sequences)``."""
+
+    n_seq_max = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.contexts: dict[int, list[int]] = {0: [], 1: []}
+        self.log: list[tuple[str, tuple[int, ...]]] = []
+
+    def clear(self, seq: int = 0) -> None:
+        self.contexts[seq] = []
+
+    def truncate(self, pos: int, seq: int = 0) -> None:
+        del self.contexts[seq][pos:]
+
+    def save_seq(self, seq: int = 0) -> bytes:
+        return bytes(json.dumps(self.contexts[seq]), "ascii")
+
+    def load_seq(self, data: bytes | memoryview, seq: int = 0) -> None:
+        self.contexts[seq] = json.loads(bytes(data))
+
+    def decode(self, steps: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
+        self.log.append(("decode", tuple(seq for seq, _, _ in steps)))
+        return [self._eval([token], pos, seq) for seq, token, pos in steps]
+
+    def prefill(self, chunks: Sequence[tuple[int, Sequence[int], int]]) -> list[np.ndarray]:
+        self.log.append(("prefill", tuple(seq for seq, _, _ in chunks)))
+        return [self._eval(tokens, pos, seq) for seq, tokens, pos in chunks]
+
+    def eval(self, tokens: Sequence[int], pos: int, seq: int = 0) -> np.ndarray:
+        self.log.append(("prefill" if len(tokens) > 1 else "decode", (seq,)))
+        return self._eval(tokens, pos, seq)
+
+    def _eval(self, tokens: Sequence[int], pos: int, seq: int) -> np.ndarray:
+        time.sleep(0.005)
+        self.context = self.contexts[seq]
+        return super().eval(tokens, pos, seq)
+
+
+def test_a_person_who_arrives_while_another_decodes_gets_the_first_token_first(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    """An interactive prompt that joins a decoding sequence is prefilled before
+    that step's decode, not after it: the newcomer's first token does not wait
+    for the other's next one (issue 34: time to first token at 8 people)."""
+    settings = settings.model_copy(update={"max_seqs": 2})
+    store = Store(fake_redis, settings)
+    rq = RQBridge(fake_redis, settings.queue_name, settings.result_ttl)
+    engine = _TwoSequences()
+    long = GenerationRequest("completion", "fake", list(b"long one"), 200,
+                             SamplingParams(temperature=0), ignore_eos=True)  # fmt: skip
+    short = GenerationRequest("completion", "fake", list(b"hello"), 5,
+                              SamplingParams(temperature=0), ignore_eos=True)  # fmt: skip
+    rq.create("long", "test")
+    store.enqueue("long", "completion", long.to_json(), 10, time.time())
+    with _running(Worker(settings, engine, fake_redis, name="w0")):
+        deadline = time.monotonic() + 20
+        while int((store.get("long") or {}).get("tokens", 0)) < 5:
+            assert time.monotonic() < deadline, "the long job never decoded"
+            time.sleep(0.01)
+        rq.create("short", "test")
+        store.enqueue("short", "completion", short.to_json(), 10, time.time())
+        _wait_state(store, "short", {"finished"})
+        _wait_state(store, "long", {"finished"})
+    prompts = [i for i, (kind, _) in enumerate(engine.log) if kind == "prefill"]
+    assert len(prompts) == 2, engine.log  # each prompt in one chunk
+    joined = prompts[1]
+    (newcomer,) = engine.log[joined][1]
+    (other,) = engine.log[0][1]
+    # Right before the newcomer's prompt: the other's decode of the step before;
+    # right after it: the other's decode of this step, alone; then both together.
+    assert engine.log[joined - 1] == ("decode", (other,))
+    assert engine.log[joined + 1] == ("decode", (other,))
+    assert set(engine.log[joined + 2][1]) == {other, newcomer}
