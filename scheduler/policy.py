@@ -23,13 +23,21 @@ from dataclasses import dataclass
 
 __all__ = [
     "PRIORITY_LEVELS",
+    "SERVICE_TIERS",
     "Policy",
     "priority_label",
     "priority_level",
+    "tier_of",
 ]
 
 #: Named priorities accepted by the API, as levels.
 PRIORITY_LEVELS: dict[str, int] = {"batch": 0, "interactive": 10}
+
+#: OpenAI's ``service_tier`` values as levels: ``priority`` one step above
+#: interactive (as far above it as interactive is above batch), ``default`` and
+#: ``auto`` interactive, ``flex`` batch. parkq's own ``priority`` wins when both
+#: are given.
+SERVICE_TIERS: dict[str, int] = {"priority": 20, "default": 10, "auto": 10, "flex": 0}
 
 #: Integer priorities must lie in this range.
 MIN_LEVEL = -1000
@@ -48,6 +56,15 @@ def priority_level(value: str | int) -> int:
         return PRIORITY_LEVELS[value]
     except KeyError:
         raise ValueError("priority must be 'interactive', 'batch' or an integer") from None
+
+
+def tier_of(level: int) -> str:
+    """The ``service_tier`` a job of ``level`` is served at (what a response
+    echoes): ``priority`` from its level up, ``flex`` at the batch level and
+    below, ``default`` between."""
+    if level >= SERVICE_TIERS["priority"]:
+        return "priority"
+    return "default" if level > SERVICE_TIERS["flex"] else "flex"
 
 
 def priority_label(level: int) -> str:

@@ -211,9 +211,15 @@ def run_worker(settings: Settings) -> None:
     attention = ", flash attention" if engine.flash_attn else ", no flash attention"
     # Which llama.cpp (patched or stock), its floor and attention.
     exactness += f" ({build_info().split(';', 1)[0]}{floor}{attention}{prefill})"
+    # What decides the tokens (system_fingerprint): the build and the kernels it
+    # runs, the chunking of prompts, and (only without exactness) the widths.
+    mode = "exact" if settings.exact else f"inexact, {settings.max_seqs} per call"
+    decides = (f"{build_info().split(';', 1)[0]}{floor}{attention}; n_batch "
+               f"{settings.n_batch}; extra buffers {'on' if kernels.extra_buffers else 'off'}; "
+               f"{mode}")  # fmt: skip
     identity = identify(
         model_name(settings), settings.model or "", engine, engine.n_ctx, settings.cache_dir,
-        device=engine.device, exactness=exactness,
+        device=engine.device, exactness=exactness, kernels=decides,
     )  # fmt: skip
     name = settings.worker_name or default_worker_name()
     client = connect(

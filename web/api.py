@@ -14,6 +14,7 @@ from jobs.engine.request import GenerationRequest
 from jobs.store.batches import BatchStore
 from jobs.store.identity import ModelIdentity
 from jobs.store.scheduling import Cancelled, Ending, JobEnded, QueueFull
+from scheduler.policy import tier_of
 from scheduler.state import TERMINAL, JobState
 from web.errors import (
     BadRequest,
@@ -23,7 +24,15 @@ from web.errors import (
     TooManyRequests,
 )
 from web.intake import chat_job, check_model, completion_job, priority, prompt_ids, read_body
-from web.responses import ClientGone, aggregate, assemble, result_of, stream, usage_of
+from web.responses import (
+    ClientGone,
+    aggregate,
+    assemble,
+    result_of,
+    stamp_of,
+    stream,
+    usage_of,
+)
 from web.runtime import Fleet, current
 from web.schemas import (
     ChatRequest,
@@ -40,14 +49,22 @@ __all__ = ["bp"]
 bp = Blueprint("api", __name__)
 
 
-def _submit(prefix: str, gen: GenerationRequest, level: int, n: int = 1) -> str:
+def submit(
+    prefix: str,
+    gen: GenerationRequest,
+    level: int,
+    n: int = 1,
+    response_id: str | None = None,
+    extra: dict[str, str] | None = None,
+) -> str:
     """Queue the request's job (``n`` > 1: one job per choice, ``<id>_<i>``, choice
-    ``i`` sampled with seed + i); returns the response's id."""
+    ``i`` sampled with seed + i); returns the response's id (``response_id``
+    where given; ``extra``: more fields of the job's record)."""
     runtime = current()
     check_model(runtime)
-    response_id = f"{prefix}-{secrets.token_hex(12)}"
+    response_id = response_id or f"{prefix}-{secrets.token_hex(12)}"
     if n == 1:
-        _enqueue(response_id, gen, level)
+        _enqueue(response_id, gen, level, extra)
     else:
         queued: list[str] = []
         try:
@@ -77,13 +94,17 @@ def choice_id(response_id: str, i: int) -> str:
     return f"{response_id}_{i}"
 
 
-def _enqueue(job_id: str, gen: GenerationRequest, level: int) -> str:
+def _enqueue(
+    job_id: str, gen: GenerationRequest, level: int, extra: dict[str, str] | None = None
+) -> str:
     """Queue one job (once the replicas hold it: PARKQ_DURABLE_REPLICAS)."""
     runtime = current()
     who = caller()
     runtime.rq.create(job_id, f"{gen.kind} {len(gen.prompt_ids)}+{gen.max_tokens} tokens")
     try:
-        runtime.store.enqueue(job_id, gen.kind, gen.to_json(), level, time.time(), who.tenant)
+        runtime.store.enqueue(
+            job_id, gen.kind, gen.to_json(), level, time.time(), who.tenant, extra
+        )
     except QueueFull:
         runtime.rq.delete(job_id)
         limit = runtime.settings.max_queue
@@ -117,7 +138,7 @@ def _run(prefix: str, req: _Common, level: int, gen: GenerationRequest) -> Any:
     # the server has no room to answer.
     release = current().slots.take()
     try:
-        response_id = _submit(prefix, gen, level, req.n)
+        response_id = submit(prefix, gen, level, req.n)
     except BaseException:
         release()
         raise
@@ -145,13 +166,25 @@ def _run(prefix: str, req: _Common, level: int, gen: GenerationRequest) -> Any:
 @bp.post("/v1/chat/completions")
 def chat_completions() -> Any:
     req = parse(ChatRequest, read_body())
-    return _run("chatcmpl", req, priority(req), chat_job(req))
+    level = priority(req)
+    return _run("chatcmpl", req, level, replace(chat_job(req), service_tier=tier_of(level)))
 
 
 @bp.post("/v1/completions")
 def completions() -> Any:
     req = parse(CompletionRequest, read_body())
-    return _run("cmpl", req, priority(req), completion_job(req))
+    level = priority(req)
+    return _run("cmpl", req, level, replace(completion_job(req), service_tier=tier_of(level)))
+
+
+@bp.get("/v1/models/<path:model_id>")
+def model(model_id: str) -> Any:
+    """One model of :func:`models` by its id (``client.models.retrieve``)."""
+    for entry in _models():
+        if entry["id"] == model_id:
+            return jsonify(entry)
+    raise NotFound(f"The model '{model_id}' does not exist.", param="model",
+                   code="model_not_found")  # fmt: skip
 
 
 @bp.get("/v1/models")
@@ -164,6 +197,10 @@ def models() -> Any:
     and ``exactness`` (what each distinct worker setup's batching checks
     certified, in words).
     """
+    return jsonify({"object": "list", "data": _models()})
+
+
+def _models() -> list[dict[str, Any]]:
     runtime = current()
     fleet = runtime.fleet(fresh=True)
     own = runtime.identity
@@ -197,7 +234,7 @@ def models() -> Any:
                 "exactness": sorted({m.exactness for m in same}),
             }
         )
-    return jsonify({"object": "list", "data": data})
+    return data
 
 
 @bp.post("/v1/tokenize")
@@ -402,7 +439,7 @@ def job_result(job_id: str) -> Any:
         choices.extend({**c, "index": i} for c in body["choices"])
     gen = GenerationRequest.from_json(json.loads(records[0]["request"]))
     base = assemble(job_id, gen, [], None)
-    return jsonify({**base, "choices": choices, "usage": usage_of(records)})
+    return jsonify({**base, **stamp_of(jobs[0]), "choices": choices, "usage": usage_of(records)})
 
 
 @bp.delete("/v1/jobs/<job_id>")

@@ -13,7 +13,7 @@ from jobs.store.connect import connect
 from jobs.store.rqjobs import RQBridge
 from jobs.store.scheduling import Store
 from scheduler.settings import Settings
-from web import auth, errors
+from web import auth, errors, requestid
 from web.runtime import Runtime, VocabLike
 from web.slots import SPARE_THREADS, Slots
 
@@ -91,6 +91,7 @@ def create_app(
     # The control-token spellings chat prompts are checked against, built once
     # here (about a second for a 262k-token vocabulary), not on a first request.
     spellings(vocab.control_texts())
+    requestid.init_app(app)
     errors.init_app(app)
     auth.init_app(app, settings.api_key_entries)
     from web.api import bp
@@ -99,8 +100,10 @@ def create_app(
     from web.files import bp as files_bp
     from web.metrics import bp as metrics_bp
     from web.openapi import bp as openapi_bp
+    from web.responses_api import bp as responses_bp
 
     app.register_blueprint(bp)
+    app.register_blueprint(responses_bp)
     app.register_blueprint(files_bp)
     app.register_blueprint(batches_bp)
     app.register_blueprint(metrics_bp)

@@ -19,7 +19,7 @@ from jobs.engine.constraints import (
 from jobs.engine.prompts import ChatVocab, TemplateError, chat_ids
 from jobs.engine.request import GenerationRequest
 from jobs.engine.sampling import SamplingParams
-from scheduler.policy import priority_level
+from scheduler.policy import SERVICE_TIERS, priority_level
 from web.errors import BadRequest, ContextLengthExceeded, ModelMismatch
 from web.runtime import Runtime, current
 from web.schemas import ChatRequest, CompletionRequest, _Common
@@ -126,6 +126,10 @@ def _head(exc: Exception) -> str:
 
 
 def priority(req: _Common) -> int:
+    """The request's level: its ``priority`` where given, else its
+    ``service_tier``'s, else interactive."""
+    if "priority" not in req.model_fields_set and req.service_tier is not None:
+        return SERVICE_TIERS[req.service_tier]
     try:
         return priority_level(req.priority)
     except ValueError as exc:

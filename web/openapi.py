@@ -13,7 +13,13 @@ from flask import Blueprint, current_app, jsonify
 from pydantic import BaseModel
 
 from web.batches import BatchCreate
-from web.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from web.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+)
 
 __all__ = ["bp", "spec"]
 
@@ -64,6 +70,8 @@ BATCH = _obj(
     request_counts=_obj("total", "completed", "failed", total=INT, completed=INT, failed=INT),
 )  # fmt: skip
 LIST = _obj("object", "data", object={"const": "list"}, data={"type": "array"})
+MODEL = _obj("id", "object", "created", "owned_by", id=STR, object={"const": "model"},
+             created=INT, owned_by=STR)  # fmt: skip
 #: One server-sent event: `id:` (the job's event number) and `data:` (a JSON chunk or [DONE]).
 SSE_EVENT = _obj("data", data=STR, id=STR, event=STR)
 
@@ -142,12 +150,14 @@ UNDESCRIBED = frozenset({"/", "/dashboard/login", "/dashboard/state", "/metrics"
 def spec(secured: bool = False) -> dict[str, Any]:
     """The description; ``secured``: API keys are required (Bearer)."""
     schemas: dict[str, Any] = {"Error": ERROR}
-    for model in (ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, BatchCreate):
+    for model in (ChatRequest, CompletionRequest, ResponsesRequest, TokenizeRequest,
+                  DetokenizeRequest, BatchCreate):  # fmt: skip
         schema = model.model_json_schema(ref_template=REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
     paths: dict[str, Any] = {
         **_generation_paths(),
+        **_responses_paths(),
         **_token_paths(),
         **_job_paths(),
         **_file_paths(),
@@ -213,6 +223,78 @@ def _generation_paths() -> dict[str, Any]:
             "get": {
                 "summary": "This server's model, then any other model a live worker serves",
                 "responses": _responses(_json(LIST)),
+            }
+        },
+        "/v1/models/{model_id}": {
+            "get": {
+                "summary": "One model of the list, by its id",
+                "parameters": [_id("model_id")],
+                "responses": _responses(_json(MODEL), "404"),
+            }
+        },
+    }
+
+
+RESPONSE = _obj("id", "object", "created_at", "status", "model", "output",
+                id=STR, object={"const": "response"}, created_at=INT, status=STR, model=STR,
+                output={"type": "array", "items": {"type": "object"}})  # fmt: skip
+#: One Responses API event: `event:` its type, `data:` it with its sequence_number.
+RESPONSE_EVENT = _obj("event", "data", event=STR, data=STR, id=STR)
+
+
+def _responses_paths() -> dict[str, Any]:
+    """OpenAI's Responses API."""
+    response = {
+        "description": "The response (background: at once, queued), or with stream=true an "
+        "SSE stream of its events",
+        "content": {
+            "application/json": {"schema": RESPONSE},
+            "text/event-stream": {"schema": RESPONSE_EVENT},
+        },
+    }
+    stream_params = [
+        {"name": "stream", "in": "query", "schema": {"type": "boolean"}},
+        {"name": "starting_after", "in": "query", "schema": INT},
+    ]
+    list_params = [
+        {"name": "limit", "in": "query", "schema": INT},
+        {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+        {"name": "after", "in": "query", "schema": STR},
+    ]
+    deleted = _obj("id", "object", "deleted", id=STR, object={"const": "response"},
+                   deleted={"type": "boolean"})  # fmt: skip
+    return {
+        "/v1/responses": {
+            "post": {
+                "summary": "A response (a chat job; background: answered at once)",
+                "requestBody": _body(ResponsesRequest),
+                "responses": _responses(response, "404", "409", "413", "429", "503"),
+            }
+        },
+        "/v1/responses/{response_id}": {
+            "get": {
+                "summary": "A response; with stream=true its events after starting_after",
+                "parameters": [_id("response_id"), *stream_params],
+                "responses": _responses(response, "404", "410", "503"),
+            },
+            "delete": {
+                "summary": "Delete a response (stopped first if it runs)",
+                "parameters": [_id("response_id")],
+                "responses": _responses(_json(deleted), "404", "409"),
+            },
+        },
+        "/v1/responses/{response_id}/cancel": {
+            "post": {
+                "summary": "Cancel a background response",
+                "parameters": [_id("response_id")],
+                "responses": _responses(_json(RESPONSE), "404", "409"),
+            }
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": {
+                "summary": "A response's input items",
+                "parameters": [_id("response_id"), *list_params],
+                "responses": _responses(_json(LIST), "404"),
             }
         },
     }

@@ -13,11 +13,20 @@ from flask import Response, request, stream_with_context
 from jobs.engine.request import GenerationRequest
 from jobs.store.events import DONE
 from jobs.store.scheduling import Store
+from jobs.store.telemetry import as_text
 from web import sse
 from web.errors import APIError, Conflict, Gone
 from web.runtime import current
 
-__all__ = ["ClientGone", "aggregate", "assemble", "result_of", "stream", "usage_of"]
+__all__ = [
+    "ClientGone",
+    "aggregate",
+    "assemble",
+    "result_of",
+    "stamp_of",
+    "stream",
+    "usage_of",
+]
 
 
 def stream(response_id: str, jobs: list[str], after: list[int]) -> Response:
@@ -32,13 +41,58 @@ def stream(response_id: str, jobs: list[str], after: list[int]) -> Response:
         yield f": parkq job {response_id}\n\n".encode()
         keepalive = runtime.settings.keepalive_seconds
         if len(jobs) == 1 and response_id == jobs[0]:
+            extra: str | None = None
             for item in sse.events(runtime.store, jobs[0], after[0], keepalive, gone):
-                yield sse.KEEPALIVE if item is None else sse.frame(*item)
+                if item is None:
+                    yield sse.KEEPALIVE
+                    continue
+                seq, data = item
+                if extra is None and data.startswith(CHUNK):
+                    extra = _inline(stamp_of(jobs[0]))  # read once the job has a worker
+                yield sse.frame(seq, _stamped(data, extra or ""))
         else:
             yield from _choices_stream(jobs, after, gone)
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Job-Id": response_id}
     return Response(stream_with_context(generate()), mimetype="text/event-stream", headers=headers)
+
+
+#: How every chunk a worker writes begins (an error event does not).
+CHUNK = '{"id":'
+
+
+def stamp_of(job_id: str) -> dict[str, str]:
+    """What a job's chunks and bodies carry besides what its worker wrote: the
+    ``service_tier`` it was served at and its ``system_fingerprint`` (what the
+    worker that finished it recorded, else what the worker running it or every
+    live worker announces), each where known."""
+    runtime = current()
+    store = runtime.store
+    worker, fingerprint, raw = store.r.hmget(
+        store.keys.job(job_id), ["worker", "fingerprint", "request"]
+    )
+    out: dict[str, str] = {}
+    fp = (
+        as_text(fingerprint)
+        if fingerprint
+        else runtime.fingerprint(as_text(worker) if worker else None)
+    )
+    if fp:
+        out["system_fingerprint"] = fp
+    tier = json.loads(raw).get("service_tier") if raw else None
+    if tier:
+        out["service_tier"] = str(tier)
+    return out
+
+
+def _inline(fields: dict[str, str]) -> str:
+    """``fields`` as the start of a JSON object's members (``"a":"b",``)."""
+    return "".join(f"{json.dumps(k)}:{json.dumps(v)}," for k, v in fields.items())
+
+
+def _stamped(data: str, extra: str) -> str:
+    """A chunk's JSON with the members ``extra`` first (other events as they are)."""
+    return "{" + extra + data[1:] if extra and data.startswith(CHUNK) else data
 
 
 def _choices_stream(jobs: list[str], after: list[int], gone: Callable[[], bool]) -> Iterator[bytes]:
@@ -48,12 +102,16 @@ def _choices_stream(jobs: list[str], after: list[int], gone: Callable[[], bool])
     then the usage chunk (when asked for) and one [DONE]."""
     runtime = current()
     last, ended, failed = list(after), set(), False
+    extra: str | None = None
     items = sse.merged(runtime.store, jobs, after, runtime.settings.keepalive_seconds, gone)
     for item in items:
         if item is None:
             yield sse.KEEPALIVE
             continue
         i, seq, data = item
+        if extra is None and data.startswith(CHUNK):
+            extra = _inline(stamp_of(jobs[i]))
+        data = _stamped(data, extra or "")
         last[i] = seq
         if data == DONE:
             ended.add(i)
@@ -75,6 +133,7 @@ def _choices_stream(jobs: list[str], after: list[int], gone: Callable[[], bool])
             "object": "chat.completion.chunk" if gen.kind == "chat" else "text_completion",
             "created": gen.created,
             "model": gen.model,
+            **stamp_of(jobs[0]),
             "choices": [],
             "usage": usage_of(records),
         }
@@ -195,7 +254,7 @@ def _aggregate(
             )
         choices.extend({**c, "index": i} for c in kept["choices"])
     body = assemble(response_id, gen, [], None)
-    return {**body, "choices": choices, "usage": usage_of(records)}
+    return {**body, **stamp_of(jobs[0]), "choices": choices, "usage": usage_of(records)}
 
 
 def assemble(

@@ -80,6 +80,22 @@ class Runtime:
         self._fleet = (now, fleet)
         return fleet
 
+    def fingerprint(self, worker: str | None = None) -> str | None:
+        """``system_fingerprint``: what the live worker ``worker`` (a sequence's
+        name, or its process's) announces, else the one every live worker
+        serving our model announces; None when unknown or when they differ."""
+        try:
+            fleet = self.fleet()
+        except redis.RedisError:
+            return None
+        if worker:
+            for name in (worker, worker.rsplit("/", 1)[0]):
+                model = fleet.matching.get(name)
+                if model is not None and model.fingerprint:
+                    return model.fingerprint
+        prints = {m.fingerprint for m in fleet.matching.values() if m is not None}
+        return prints.pop() if len(prints) == 1 and "" not in prints else None
+
     @property
     def n_ctx(self) -> int:
         """The context a request may fill: ours, or the smallest a matching worker has."""

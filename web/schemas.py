@@ -10,11 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from web.errors import BadRequest
 
 __all__ = [
+    "RESPONSES_UNSUPPORTED",
     "UNSUPPORTED",
     "ChatRequest",
     "CompletionRequest",
     "DetokenizeRequest",
     "ResponseFormat",
+    "ResponsesRequest",
     "TokenizeRequest",
     "parse",
 ]
@@ -86,6 +88,8 @@ class _Common(BaseModel):
     user: str | None = None  # accepted, not used
 
     priority: str | int = "interactive"
+    #: OpenAI's tiers, as priority levels (scheduler.policy.SERVICE_TIERS).
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
@@ -246,14 +250,16 @@ def parse(model: type[M], body: Any) -> M:
     """Validate ``body``; raise :class:`BadRequest` naming the first bad field."""
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object.")
-    if issubclass(model, _Common):
-        for name, unused in UNSUPPORTED.items():
-            if name in model.model_fields:
-                continue  # implemented by this route
-            if name in body and body[name] not in unused:
-                raise BadRequest(
-                    f"'{name}' is not supported by this server; leave it out.", param=name
-                )
+    unsupported = (
+        UNSUPPORTED if issubclass(model, _Common)
+        else RESPONSES_UNSUPPORTED if model is ResponsesRequest
+        else {}
+    )  # fmt: skip
+    for name, unused in unsupported.items():
+        if name in model.model_fields:
+            continue  # implemented by this route
+        if name in body and body[name] not in unused:
+            raise BadRequest(f"'{name}' is not supported by this server; leave it out.", param=name)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -261,3 +267,140 @@ def parse(model: type[M], body: Any) -> M:
         param = ".".join(str(p) for p in first["loc"]) or None
         msg = first["msg"].removeprefix("Value error, ")
         raise BadRequest(f"Invalid value for '{param}': {msg}", param=param) from None
+
+
+# -- the Responses API (/v1/responses) ----------------------------------------
+
+
+class InputText(BaseModel):
+    """A text part of an input message (``input_text``; ``output_text`` in an
+    assistant message taken back from an earlier output)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText]
+
+
+class FunctionCallInput(BaseModel):
+    """A function call the model made earlier, given back as input."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function_call"]
+    call_id: Annotated[str, Field(min_length=1)]
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str
+
+
+class FunctionCallOutput(BaseModel):
+    """What a function call returned."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, Field(min_length=1)]
+    output: str | list[InputText]
+
+
+InputItem = Annotated[
+    InputMessage | FunctionCallInput | FunctionCallOutput, Field(discriminator="type")
+]
+
+
+class TextFormat(BaseModel):
+    """``text.format``: free text, any JSON object, or JSON that validates
+    against ``schema`` (the Responses API's flat form of ``response_format``)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    format: TextFormat | None = None
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(BaseModel):
+    """``{"type": "function", "name": ...}``: call exactly that one."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1)]
+
+
+#: Responses API fields parkq does not implement, with the values that mean
+#: "not used" (as UNSUPPORTED for the other routes).
+RESPONSES_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "reasoning": (None, {}),
+    "prompt": (None,),
+    "conversation": (None,),
+    "truncation": (None, "disabled"),
+    "include": (None, []),
+    "top_logprobs": (None, 0),
+    "max_tool_calls": (None,),
+    "background_options": (None,),
+    "context_management": (None,),
+}
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str = ""
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stream: bool = False
+    #: Run as a job that no reader holds: answered at once (``queued``), then
+    #: polled, streamed, resumed or cancelled by its id.
+    background: bool = False
+    #: Kept for retrieval (parkq keeps every response for PARKQ_RESULT_TTL).
+    store: bool = True
+    previous_response_id: str | None = None
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: (
+        Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None
+    ) = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    user: str | None = None
+    #: parkq extensions, as on the other routes.
+    priority: str | int = "interactive"
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    ignore_eos: bool | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _messages_without_type(cls, v: Any) -> Any:
+        # An easy input message ({"role": ..., "content": ...}) has no type.
+        if isinstance(v, list):
+            return [
+                {**item, "type": "message"} if isinstance(item, dict) and "type" not in item
+                and "role" in item else item
+                for item in v
+            ]  # fmt: skip
+        return v

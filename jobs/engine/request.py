@@ -43,8 +43,19 @@ class GenerationRequest:
     choice: int = 0
     choices: int = 1
     response_id: str = ""
+    #: A background response (``/v1/responses`` with ``background``): it runs to
+    #: its end whether or not anyone reads its stream (never abandoned).
+    background: bool = False
+    #: The ``service_tier`` the request asked for (echoed back; the worker
+    #: does not read it): ``priority``, ``default``, ``flex``, or empty.
+    service_tier: str = ""
 
     def to_json(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self.background:
+            extra["background"] = True
+        if self.service_tier:
+            extra["service_tier"] = self.service_tier
         return {
             "kind": self.kind,
             "model": self.model,
@@ -63,6 +74,7 @@ class GenerationRequest:
             "choice": self.choice,
             "choices": self.choices,
             "response_id": self.response_id,
+            **extra,
         }
 
     @classmethod
@@ -85,4 +97,6 @@ class GenerationRequest:
             choice=int(d.get("choice", 0)),
             choices=int(d.get("choices", 1)),
             response_id=str(d.get("response_id", "")),
+            background=bool(d.get("background", False)),
+            service_tier=str(d.get("service_tier", "")),
         )

@@ -47,6 +47,10 @@ class ModelIdentity:
     #: call takes, up to which KV length, what was compared), in words; empty
     #: from a process that decodes nothing (the web's own identity).
     exactness: str = ""
+    #: What decides a worker's tokens, as a short hash (OpenAI's
+    #: ``system_fingerprint``): the model file, the device, the llama.cpp build
+    #: and the kernels parkq chose; empty from a process that decodes nothing.
+    fingerprint: str = ""
 
     def fields(self) -> dict[str, str]:
         """The Redis hash fields that announce it (prefixed ``model_``)."""
@@ -64,6 +68,7 @@ class ModelIdentity:
                 vocab_digest=raw["model_vocab_digest"],
                 device=raw.get("model_device", "CPU"),
                 exactness=raw.get("model_exactness", ""),
+                fingerprint=raw.get("model_fingerprint", ""),
             )
         except (KeyError, ValueError):
             return None
@@ -123,14 +128,26 @@ def identify(
     cache_dir: str | None = None,
     device: str = "CPU",
     exactness: str = "",
+    kernels: str = "",
 ) -> ModelIdentity:
-    """The identity of the model file ``path`` as loaded into ``vocab`` (on ``device``)."""
+    """The identity of the model file ``path`` as loaded into ``vocab`` (on
+    ``device``); ``kernels``: what else decides its tokens (the llama.cpp build
+    and the kernels chosen), hashed with the file and the device into its
+    fingerprint (none without it)."""
+    digest = file_digest(path, cache_dir)
     return ModelIdentity(
         name=name,
-        digest=file_digest(path, cache_dir),
+        digest=digest,
         n_ctx=n_ctx,
         n_vocab=vocab.n_vocab,
         vocab_digest=vocab_digest(vocab),
         device=device,
         exactness=exactness,
+        fingerprint=fingerprint(digest, device, kernels) if kernels else "",
     )
+
+
+def fingerprint(digest: str, device: str, kernels: str) -> str:
+    """``fp_`` and 12 hex digits of a hash of what decides a worker's tokens."""
+    h = hashlib.sha256(f"{digest}\0{device}\0{kernels}".encode()).hexdigest()
+    return f"fp_{h[:12]}"

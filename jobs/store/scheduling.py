@@ -340,11 +340,13 @@ class Store:
         level: int,
         now: float,
         owner: str = "",
+        extra: dict[str, str] | None = None,
     ) -> bool:
         """Store a new job and make it wait; False if the id is taken. With
         PARKQ_DURABLE_REPLICAS, returns once that many replicas hold it (or the
-        wait is over: :meth:`durable`)."""
-        fields = self.job_fields(job_id, kind, request, level, now, owner)
+        wait is over: :meth:`durable`). ``extra``: more fields of its record
+        (a response's own: web/responses_api.py)."""
+        fields = {**self.job_fields(job_id, kind, request, level, now, owner), **(extra or {})}
         score = fields["score"]
         flat = [x for kv in fields.items() for x in kv]
         k = self.keys

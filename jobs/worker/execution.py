@@ -357,7 +357,7 @@ class Executions:
             _STARTS[start.source].format(keep=start.keep),
         )
         self.rq.started(job_id, int(self.settings.worker_ttl) + 60)
-        if job.detached_at is not None and self._abandoned(job.level, job.detached_at):
+        if job.detached_at is not None and self._abandoned(job, job.detached_at):
             log.info("job %s: its client left before it ran", job_id)
             job.client_gone = True
             return Outcome("cancelled", [])
@@ -474,7 +474,7 @@ class Executions:
                 # (every write is due while stopping).
                 self._metric(lambda: self.store.request_park(job.slot))
             return step.flags
-        if step.detached_at is not None and self._abandoned(job.level, step.detached_at):
+        if step.detached_at is not None and self._abandoned(job, step.detached_at):
             job.client_gone = True
             return CANCEL
         if not self.settings.preempt:
@@ -559,14 +559,17 @@ class Executions:
         if error_code(exc) in MOVED_PRIMARY:
             self.store.r.connection_pool.disconnect()
 
-    def _abandoned(self, level: int, detached_at: float) -> bool:
-        """An interactive job whose readers left longer ago than the grace period.
-        Not within a reader's lease after this worker lost Redis: the readers
-        could not renew their leases either, and do once it answers."""
+    def _abandoned(self, job: Job, detached_at: float) -> bool:
+        """An interactive job whose readers left longer ago than the grace period
+        (not a background response: it runs to its end unread). Not within a
+        reader's lease after this worker lost Redis: the readers could not renew
+        their leases either, and do once it answers."""
         grace, now = self.settings.disconnect_grace_seconds, time.time()
         if now - self._redis_lost_at < self.store.lease_seconds():
             return False
-        return level > PRIORITY_LEVELS["batch"] and now - detached_at > grace
+        if job.request.background:
+            return False
+        return job.level > PRIORITY_LEVELS["batch"] and now - detached_at > grace
 
     def _end(self, job: Job, outcome: Outcome) -> None:
         job_id, claim, gen = job.job_id, job.claim, job.gen
@@ -587,6 +590,8 @@ class Executions:
             }
             payloads = outcome.payloads
             state = JobState.FINISHED
+        if self.store.model is not None and self.store.model.fingerprint:
+            fields["fingerprint"] = self.store.model.fingerprint  # system_fingerprint
         # Cancel events are appended after whatever the stream holds (first = 0).
         first = gen.events - len(payloads) + 1 if state is JobState.FINISHED else 0
         self._flush_gaps()  # its latencies are in the metrics before its [DONE]
