@@ -26,10 +26,12 @@ from pydantic import BaseModel
 
 from web.batches import BatchCreate
 from web.schemas import (
+    RESPONSES_UNSUPPORTED,
     UNSUPPORTED,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 
@@ -188,8 +190,9 @@ def body_of(model: type[BaseModel]) -> st.SearchStrategy[Any]:
     schema = model.model_json_schema()
     gen = _Schema(schema)
     objects = gen.object(schema, odd_share=3)
-    if model in (ChatRequest, CompletionRequest):
-        unused = {k: st.sampled_from(v) | any_json() for k, v in UNSUPPORTED.items()
+    if model in (ChatRequest, CompletionRequest, ResponsesRequest):
+        table = RESPONSES_UNSUPPORTED if model is ResponsesRequest else UNSUPPORTED
+        unused = {k: st.sampled_from(v) | any_json() for k, v in table.items()
                   if k not in model.model_fields}  # fmt: skip
         refused = st.fixed_dictionaries({}, optional=unused)
         objects = st.tuples(objects, st.one_of(st.just({}), st.just({}), refused)).map(
@@ -242,6 +245,9 @@ ID_ROUTES = (
     ("GET", "/v1/jobs/{}"), ("DELETE", "/v1/jobs/{}"), ("GET", "/v1/jobs/{}/events"),
     ("GET", "/v1/jobs/{}/result"), ("GET", "/v1/batches/{}"), ("POST", "/v1/batches/{}/cancel"),
     ("GET", "/v1/files/{}"), ("GET", "/v1/files/{}/content"), ("DELETE", "/v1/files/{}"),
+    ("GET", "/v1/responses/{}"), ("POST", "/v1/responses/{}/cancel"),
+    ("DELETE", "/v1/responses/{}"), ("GET", "/v1/responses/{}/input_items"),
+    ("GET", "/v1/models/{}"),
 )  # fmt: skip
 
 
@@ -282,6 +288,8 @@ def requests() -> st.SearchStrategy[Call]:
         _post("/v1/chat/completions", ChatRequest),
         _post("/v1/completions", CompletionRequest),
         _post("/v1/completions", CompletionRequest),
+        _post("/v1/responses", ResponsesRequest),
+        _post("/v1/responses", ResponsesRequest),
         _post("/v1/tokenize", TokenizeRequest),
         _post("/v1/detokenize", DetokenizeRequest),
         batch,

@@ -62,7 +62,11 @@ def create() -> Any:
     conversation = previous + input_messages(items)
     chat = _chat_request(req, body, conversation)
     level = priority(chat)
-    gen = chat_job(chat)
+    try:
+        gen = chat_job(chat)
+    except BadRequest as exc:  # named as the Responses API names its fields
+        exc.param = _param(exc.param)
+        raise
     tier = tier_of(level)
     gen = replace(gen, background=req.background, service_tier=tier, include_usage=True)
     response_id = f"resp_{secrets.token_hex(24)}"
@@ -142,7 +146,8 @@ def _chat_request(
     try:
         return parse(ChatRequest, chat)
     except BadRequest as exc:  # a field the response request passed on
-        raise BadRequest(exc.message, param=_param(exc.param)) from None
+        exc.param = _param(exc.param)
+        raise
 
 
 def _param(chat_param: str | None) -> str | None:

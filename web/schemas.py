@@ -246,6 +246,15 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
+#: How pydantic names the member of a union in an error's location.
+_MEMBER_TYPES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _union_member(part: Any) -> bool:
+    """A type's name, not a field's (fields are lower case; models capitalized)."""
+    return isinstance(part, str) and ("[" in part or part in _MEMBER_TYPES or part[:1].isupper())
+
+
 def parse(model: type[M], body: Any) -> M:
     """Validate ``body``; raise :class:`BadRequest` naming the first bad field."""
     if not isinstance(body, dict):
@@ -263,8 +272,9 @@ def parse(model: type[M], body: Any) -> M:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        # A value of a union type fails every member: the deepest error says most.
+        first = max(exc.errors(), key=lambda e: len(e["loc"]))
+        param = ".".join(str(p) for p in first["loc"] if not _union_member(p)) or None
         msg = first["msg"].removeprefix("Value error, ")
         raise BadRequest(f"Invalid value for '{param}': {msg}", param=param) from None
 

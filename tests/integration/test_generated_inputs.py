@@ -98,6 +98,10 @@ def _prepared(call: Call, app: App) -> Call:
             body = {**body, "input_file_id": app.a_file()}
         if path.endswith("completions") and body.get("stream", False) is False:
             body = {**body, "stream": True}
+        # A response that is not in the background is streamed too (one that is
+        # is answered at once).
+        if path == "/v1/responses" and body.get("stream", False) is False:
+            body = {**body, "stream": True}
     return replace(call, path=path, body=body)
 
 
@@ -117,6 +121,9 @@ def _clean_up(app: App, call: Call, resp: Any) -> None:
     """Undo what an accepted request made: no worker will run it."""
     if job_id := resp.headers.get("X-Job-Id"):
         assert app.client.delete(f"/v1/jobs/{job_id}").status_code in (200, 202, 409)
+    elif call.path == "/v1/responses" and call.method == "POST":  # a background one
+        response_id = resp.get_json()["id"]
+        assert app.client.delete(f"/v1/responses/{response_id}").status_code == 200
     elif call.path == "/v1/batches" and call.method == "POST":
         batch_id = resp.get_json()["id"]
         deadline = time.monotonic() + 30
