@@ -4,22 +4,26 @@ greedy and with the openai client's default sampling, beside llama.cpp's own ser
     python -m tools.bench.concurrency [--model PATH] [--seqs 1,default] [--clients 1,2,4,8]
                                      [--tokens 64] [--threads N] [--n-ctx N]
                                      [--sampling greedy,default] [--peer-server PATH]
+                                     [--routes completions,responses]
 
 For each sequence count (``default``: unset, what parkq chooses on this
 machine), starts `parkq up` (embedded Redis, web, one worker) on the model
 (default: the demo model), warms it, then for each sampling arm and client
 count sends that many completions at the same moment and records when each
-token arrives. Then the same bursts against ``llama-server`` (``--peer-server``,
-default the one ``python -m tools.bench.llama_server build`` cached; ``none``
-to skip) with ``-np`` equal to the largest sequence count, the same threads,
-context per sequence and kernel path, asked for the same distributions. Prints,
-per cell: failed requests, TTFT p50 / p95 / max over the answered ones,
-inter-token p95, the aggregate tokens per second (all tokens over the wall time
-from the first request to the last ``[DONE]``), each the median of
-``--repeat`` bursts (3; the cells interleaved, so a machine whose speed drifts
-spreads it over all of them) and, for parkq, where the
-worker's busy time went (``parkq_step_seconds_total``: engine, sampling,
-Redis, other); writes them as JSON.
+token arrives (``--routes responses``: also the same prompts as streamed
+responses of the Responses API, rows ``parkq responses``; through the chat
+template, so their prompts are a few tokens longer). Then the same bursts
+against ``llama-server`` (``--peer-server``, default the one ``python -m
+tools.bench.llama_server build`` cached; ``none`` to skip) with ``-np`` equal
+to the largest sequence count, the same threads, context per sequence and
+kernel path, asked for the same distributions. Prints, per cell: failed
+requests, TTFT p50 / p95 / max over the answered ones, inter-token p95, the
+aggregate tokens per second (all tokens over the wall time from the first
+request to the last ``[DONE]``), each the median of ``--repeat`` bursts (3; the
+cells interleaved, so a machine whose speed drifts spreads it over all of them)
+and, for parkq, where the worker's busy time went
+(``parkq_step_seconds_total``: engine, sampling, Redis, other); writes them as
+JSON.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import os
 import statistics
 import threading
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import requests
 
@@ -37,28 +41,38 @@ from jobs.engine.llama import gpu_layers
 from scheduler.settings import load_settings
 from tools.bench import SAMPLING, command_line, write_results
 from tools.bench.llama_server import llama_server_path, running_llama_server
-from tools.bench.workload import Request, stream
+from tools.bench.workload import Request, stream, stream_response
 from tools.client import percentile
 
 
 def burst(
-    base_url: str, clients: int, tokens: int, sampling: dict[str, Any] | None = None
+    base_url: str,
+    clients: int,
+    tokens: int,
+    sampling: dict[str, Any] | None = None,
+    route: str = "completions",
 ) -> dict[str, Any]:
     """``clients`` simultaneous streamed completions of ``tokens`` tokens (each
-    with its own seed); TTFT, inter-token and aggregate figures."""
-    url = f"{base_url}/v1/completions"
+    with its own seed; ``route`` ``responses``: the same prompts as responses of
+    the Responses API); TTFT, inter-token and aggregate figures."""
+    url = f"{base_url}/v1/{route}"
     reqs = [Request("short", 0.0) for _ in range(clients)]
+    fields = SAMPLING["greedy"]["parkq"] if sampling is None else sampling
     bodies = [
         {"prompt": f"Question {i}: what is a parking queue?\nAnswer:", "max_tokens": tokens,
          "ignore_eos": True, "priority": "interactive", "seed": i,
-         "stream_options": {"include_usage": True},
-         **(SAMPLING["greedy"]["parkq"] if sampling is None else sampling)}
+         "stream_options": {"include_usage": True}, **fields}
         for i in range(clients)
     ]  # fmt: skip
+    if route == "responses":
+        bodies = [{"input": b["prompt"], "max_output_tokens": tokens, "ignore_eos": True,
+                   "priority": "interactive", "seed": b["seed"], **fields}
+                  for b in bodies]  # fmt: skip
+    read = stream_response if route == "responses" else stream
 
     def one(body: dict[str, Any], req: Request) -> None:
-        with contextlib.suppress(requests.RequestException):  # no [DONE]: counted as failed
-            stream(url, body, req)
+        with contextlib.suppress(requests.RequestException):  # no end: counted as failed
+            read(url, body, req)
 
     threads = [threading.Thread(target=one, args=(b, r)) for b, r in zip(bodies, reqs, strict=True)]
     t0 = time.monotonic()
@@ -93,10 +107,18 @@ def burst(
     }
 
 
-def rounds(repeat: int, arms: list[str], clients: list[int]) -> list[tuple[int, str, int]]:
+A = TypeVar("A")
+
+
+def rounds(repeat: int, arms: list[A], clients: list[int]) -> list[tuple[int, A, int]]:
     """Every (round, arm, clients) cell, the arms and client counts interleaved in
     each round: a machine whose speed drifts spreads the drift over all cells."""
     return [(r, a, c) for r in range(repeat) for a in arms for c in clients]
+
+
+def _system(route: str) -> str:
+    """A parkq row's name: ``parkq``, or ``parkq responses`` for the Responses API."""
+    return "parkq" if route == "completions" else f"parkq {route}"
 
 
 def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -177,12 +199,18 @@ def main() -> None:
     ap.add_argument("--peer-server", help="llama-server binary (default: the cached build)")
     ap.add_argument("--sampling", default="greedy,default",
                     help="arms: greedy, default (the openai client's: temperature 1)")  # fmt: skip
+    ap.add_argument("--routes", default="completions",
+                    help="parkq's routes to send the bursts to: completions, responses "
+                    "(the Responses API: its cost per token beside completions')")  # fmt: skip
     args = ap.parse_args()
 
     from jobs.engine.kernels import worker_attention, worker_kernels
     from tools.launcher import Stack
 
     clients_list = [int(x) for x in args.clients.split(",")]
+    routes = [r for r in args.routes.split(",") if r]
+    if set(routes) - {"completions", "responses"}:
+        ap.error("--routes takes completions, responses")
     arms = [a for a in args.sampling.split(",") if a]
     unknown = [a for a in arms if a not in SAMPLING]
     if unknown:
@@ -196,6 +224,10 @@ def main() -> None:
     for seqs in seqs_list:
         overrides: dict[str, Any] = {"port": 0, "log_level": "WARNING", "max_seqs": seqs}
         overrides["model"] = args.model or _demo_model()
+        if not args.model:  # a base model: chat (the Responses API) needs its format
+            from jobs.engine.demo_model import DEMO_CHAT_FORMAT
+
+            overrides["chat_format"] = DEMO_CHAT_FORMAT
         if args.threads:
             overrides["n_threads"] = args.threads
         if args.n_ctx:
@@ -211,16 +243,18 @@ def main() -> None:
         with Stack(settings) as stack:
             url = stack.settings.redis_url or ""
             burst(stack.base_url, 1, 8)  # warm: the model's pages, the first prefill
-            runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
-            for _, arm, clients in rounds(args.repeat, arms, clients_list):
+            runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+            cells = [(arm, route) for arm in arms for route in routes]
+            for _, (arm, route), clients in rounds(args.repeat, cells, clients_list):
                 fields = SAMPLING[arm]["parkq"]
                 before = counters(url, stack.settings)
-                run = burst(stack.base_url, clients, args.tokens, fields)
+                run = burst(stack.base_url, clients, args.tokens, fields, route)
                 run["step_split_pct"] = step_split(url, stack.settings, before)
-                runs.setdefault((arm, clients), []).append(run)
-                print({"system": "parkq", "max_seqs": label, "sampling": arm, **run}, flush=True)
-            for (arm, _n), got in runs.items():
-                rows.append({"system": "parkq", "max_seqs": label, "sampling": arm,
+                runs.setdefault((arm, route, clients), []).append(run)
+                print({"system": _system(route), "max_seqs": label, "sampling": arm, **run},
+                      flush=True)  # fmt: skip
+            for (arm, route, _n), got in runs.items():
+                rows.append({"system": _system(route), "max_seqs": label, "sampling": arm,
                              **median_row(got)})  # fmt: skip
     peer = _peer_binary(args.peer_server)
     if peer is not None:
@@ -233,12 +267,12 @@ def main() -> None:
                                   extra_buffers=extra.extra_buffers, gpu_layers=layers,
                                   flash_attn=worker_attention(settings)) as base:  # fmt: skip
             burst(base, 1, 8)
-            runs = {}
+            peer_runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
             for _, arm, clients in rounds(args.repeat, arms, clients_list):
                 run = burst(base, clients, args.tokens, SAMPLING[arm]["llama-server"])
-                runs.setdefault((arm, clients), []).append(run)
+                peer_runs.setdefault((arm, clients), []).append(run)
                 print({"system": "llama-server", "sampling": arm, **run}, flush=True)
-            for (arm, _n), got in runs.items():
+            for (arm, _n), got in peer_runs.items():
                 rows.append({"system": "llama-server", "max_seqs": max(resolved),
                              "sampling": arm, **median_row(got)})  # fmt: skip
     print(f"\n{'system':>12} {'seqs':>11} {'sampling':>8} {'clients':>7} {'failed':>6} "

@@ -124,6 +124,28 @@ def stream(
     req.end = time.monotonic()
 
 
+def stream_response(url: str, body: dict[str, Any], req: Request) -> None:
+    """Stream one response of the Responses API (``/v1/responses``), recording
+    when each piece of text arrives, as :func:`stream` does for completions."""
+    with requests.post(url, json={**body, "stream": True}, stream=True, timeout=3600) as r:
+        r.raise_for_status()
+        req.job_id = r.headers.get("X-Job-Id")
+        for _, data in events(r):
+            event = json.loads(data)
+            kind = event.get("type")
+            if kind == "response.output_text.delta" and event["delta"]:
+                now = time.monotonic()
+                req.first = req.first or now
+                req.tokens.append(now)
+                req.text += event["delta"]
+            elif kind in ("response.completed", "response.incomplete"):
+                usage = event["response"].get("usage") or {}
+                if usage.get("output_tokens") is not None:
+                    req.completion_tokens = int(usage["output_tokens"])
+                req.done = True
+    req.end = time.monotonic()
+
+
 def play(base_url: str, workload: Workload, long_extra: dict[str, Any]) -> Observed:
     """Run the workload for its duration against ``base_url``; return what was seen."""
     url = f"{base_url}/v1/completions"
