@@ -198,7 +198,7 @@ def test_previous_response_id_continues_the_conversation(
 
 def test_input_items_tools_and_deletion(client: openai.OpenAI) -> None:
     city = {"type": "string", "enum": ["Paris", "Rome"]}
-    tools = [{"type": "function", "name": "weather", "description": "The weather",
+    tools: Any = [{"type": "function", "name": "weather", "description": "The weather",
               "parameters": {"type": "object", "properties": {"city": city},
                              "required": ["city"], "additionalProperties": False}}]  # fmt: skip
     called = client.responses.create(model="tiny", input="Weather in Paris?", tools=tools,
@@ -240,7 +240,7 @@ def test_a_bad_response_request_is_a_400_naming_the_field(
 def test_service_tier_fingerprint_model_and_request_id(
     client: openai.OpenAI, cluster: Cluster
 ) -> None:
-    messages = [{"role": "user", "content": "hi"}]
+    messages: Any = [{"role": "user", "content": "hi"}]
     for tier, level, echoed in (("priority", 20, "priority"), ("flex", 0, "flex"),
                                 ("auto", 10, "default"), (None, 10, "default")):  # fmt: skip
         raw = client.chat.completions.with_raw_response.create(
@@ -256,7 +256,7 @@ def test_service_tier_fingerprint_model_and_request_id(
                                           service_tier="priority",
                                           extra_body={"priority": "batch"})  # fmt: skip
     assert both.service_tier == "flex" and job(cluster.base_url, both.id)["priority"] == 0
-    announced = cluster.env and requests.get(cluster.base_url + "/v1/models", timeout=5).json()
+    announced = requests.get(cluster.base_url + "/v1/models", timeout=5).json()
     fp = both.system_fingerprint
     assert fp is not None and fp.startswith("fp_")
     streamed = list(client.chat.completions.create(model="tiny", messages=messages,

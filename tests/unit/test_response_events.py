@@ -112,7 +112,7 @@ def test_a_kept_result_gives_the_output_its_events_gave(steps: list[Any], finish
 
 
 def test_input_items_become_chat_messages() -> None:
-    items = [
+    items: list[dict[str, Any]] = [
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
                                                        {"type": "input_text", "text": "b"}]},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
