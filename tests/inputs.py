@@ -39,6 +39,7 @@ __all__ = [
     "FILE_ID",
     "JOB_ID",
     "ODD_CHARS",
+    "RESPONSE_ID",
     "Call",
     "JsonlFile",
     "Raw",
@@ -240,7 +241,7 @@ def _post(path: str, model: type[BaseModel]) -> st.SearchStrategy[Call]:
 
 
 #: Where a test's own objects go in a path or body: replaced by a real id.
-FILE_ID, JOB_ID = "{file}", "{job}"
+FILE_ID, JOB_ID, RESPONSE_ID = "{file}", "{job}", "{response}"
 ID_ROUTES = (
     ("GET", "/v1/jobs/{}"), ("DELETE", "/v1/jobs/{}"), ("GET", "/v1/jobs/{}/events"),
     ("GET", "/v1/jobs/{}/result"), ("GET", "/v1/batches/{}"), ("POST", "/v1/batches/{}/cancel"),
@@ -249,6 +250,9 @@ ID_ROUTES = (
     ("DELETE", "/v1/responses/{}"), ("GET", "/v1/responses/{}/input_items"),
     ("GET", "/v1/models/{}"),
 )  # fmt: skip
+
+
+RESPONSE_ROUTES = [r for r in ID_ROUTES if "/v1/responses/" in r[1]]
 
 
 def _id_call(route: tuple[str, str], ident: str) -> Call:
@@ -282,7 +286,8 @@ def requests() -> st.SearchStrategy[Call]:
         st.one_of(st.none(), jsonl_files().map(lambda f: f.content), st.binary(max_size=40)),
         texts(),
     )
-    ids = st.one_of(texts(), st.sampled_from(("..", ".", "a/b", "%00", JOB_ID, FILE_ID)))
+    ids = st.one_of(texts(), st.sampled_from(("..", ".", "a/b", "%00", JOB_ID, FILE_ID,
+                                              RESPONSE_ID)))  # fmt: skip
     return st.one_of(
         _post("/v1/chat/completions", ChatRequest),
         _post("/v1/chat/completions", ChatRequest),
@@ -295,6 +300,8 @@ def requests() -> st.SearchStrategy[Call]:
         batch,
         upload,
         st.builds(_id_call, st.sampled_from(ID_ROUTES), ids),
+        # A real response's routes (it is cancelled: none waits for a worker).
+        st.builds(_id_call, st.sampled_from(RESPONSE_ROUTES), st.just(RESPONSE_ID)),
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import signal
+from importlib import metadata
 from typing import Any
 
 import click
@@ -214,6 +215,7 @@ def run_worker(settings: Settings) -> None:
     # What decides the tokens (system_fingerprint): the build and the kernels it
     # runs, the chunking of prompts, and (only without exactness) the widths.
     mode = "exact" if settings.exact else f"inexact, {settings.max_seqs} per call"
+    mode += f"; parkq {_parkq_version()}"  # its sampler, templates and tokenizing
     decides = (f"{build_info().split(';', 1)[0]}{floor}{attention}; n_batch "
                f"{settings.n_batch}; extra buffers {'on' if kernels.extra_buffers else 'off'}; "
                f"{mode}")  # fmt: skip
@@ -263,3 +265,10 @@ def _prompt_width(engine: LlamaEngine, prompts: OpChoice, settings: Settings) ->
         why = f"the whole model differed: {how}"
     log.warning("each prompt prefilled in a call of its own: %s", why)
     return 1
+
+
+def _parkq_version() -> str:
+    try:
+        return metadata.version("parkq")
+    except metadata.PackageNotFoundError:
+        return "source"

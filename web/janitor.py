@@ -114,7 +114,15 @@ def _keep_result(store: Store, job_id: str) -> None:
     """Write a finished job's response body into its record (once)."""
     k = store.keys
     state, kept = store.r.hmget(k.job(job_id), ["state", "result"])
-    if state is None or kept is not None or JobState(as_text(state)) is not JobState.FINISHED:
+    if state is None or kept is not None:
+        return
+    ended = JobState(as_text(state))
+    # A response keeps what it wrote when it was cancelled or failed too: its
+    # partial output stays readable (web/responses_api.py).
+    partial = ended in (JobState.CANCELLED, JobState.FAILED) and bool(
+        store.r.hexists(k.job(job_id), "response")
+    )
+    if ended is not JobState.FINISHED and not partial:
         return
     record = store.get(job_id)
     body = None if record is None else result_of(store, job_id, record)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import secrets
+from typing import Any
 
 from flask import Flask, Response, g, has_request_context, request
 
@@ -25,15 +26,28 @@ def request_id() -> str | None:
     return g.get("request_id") if has_request_context() else None
 
 
-class _Tagged(logging.Filter):
-    """Puts the request's id in front of each message logged while it is handled."""
+_installed = False
 
-    def filter(self, record: logging.LogRecord) -> bool:
+
+def _tag_records() -> None:
+    """Put the request's id in front of every message logged in this process
+    while a request is handled (any logger: the app's, ``web.sse``'s...), by
+    wrapping the log record factory once."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    make = logging.getLogRecordFactory()
+
+    def tagged(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make(*args, **kwargs)
         rid = request_id()
-        if rid and not hasattr(record, "request_id"):
+        if rid:
             record.request_id = rid
             record.msg = f"[{rid}] {record.msg}"
-        return True
+        return record
+
+    logging.setLogRecordFactory(tagged)
 
 
 def init_app(app: Flask) -> None:
@@ -51,4 +65,4 @@ def init_app(app: Flask) -> None:
             response.headers["x-request-id"] = rid
         return response
 
-    app.logger.addFilter(_Tagged())
+    _tag_records()

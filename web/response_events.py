@@ -6,7 +6,10 @@ of the job's events (:class:`Translator`): the same events give the same
 Responses events, numbered the same (``sequence_number``), with the same item
 ids. So a client that resumes with ``starting_after=N`` gets the events after
 N of a replay of the job's events from the first, each once, as
-``Last-Event-ID`` does for a chat stream.
+``Last-Event-ID`` does for a chat stream, for as long as the job's events are
+kept. Once they expire, the response is made from the job's kept result:
+the same text and calls, not the same events (web/responses_api.py refuses
+to resume past that point).
 """
 
 from __future__ import annotations
@@ -37,22 +40,29 @@ def _text_of(content: Any) -> str:
 
 def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Input items (validated: web/schemas.py) as chat messages: a message as
-    it is, consecutive ``function_call`` items as one assistant message with
-    those tool calls, a ``function_call_output`` as a tool message."""
+    it is, a ``function_call_output`` as a tool message, and what the model
+    wrote in one turn (assistant text and ``function_call`` items with no other
+    message between them) as one assistant message with its tool calls, as the
+    model generated it."""
     out: list[dict[str, Any]] = []
     for item in items:
         kind = item.get("type", "message")
+        last = out[-1] if out else None
+        turn = last is not None and last["role"] == "assistant"
         if kind == "message":
-            out.append({"role": item["role"], "content": _text_of(item.get("content"))})
+            text = _text_of(item.get("content"))
+            if item["role"] == "assistant" and turn and last is not None:
+                last["content"] = (last.get("content") or "") + text
+            else:
+                out.append({"role": item["role"], "content": text})
         elif kind == "function_call":
             call = {
                 "id": item["call_id"],
                 "type": "function",
                 "function": {"name": item["name"], "arguments": item["arguments"]},
             }
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-                last["tool_calls"].append(call)
+            if turn and last is not None:
+                last.setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -87,9 +97,11 @@ def usage_of_chat(usage: dict[str, int] | None) -> dict[str, Any] | None:
     }
 
 
-def chunks_of_result(body: dict[str, Any]) -> Iterator[str]:
-    """The chat chunks that a kept ``chat.completion`` body (a finished job's,
-    once its events expired) sums up, then ``[DONE]``: the same output items."""
+def chunks_of_result(body: dict[str, Any], ended: str | None = None) -> Iterator[str]:
+    """The chat chunks that a kept ``chat.completion`` body (a job's, once its
+    events expired) sums up, then ``[DONE]``: the same text and calls (the
+    text in one piece, before the calls). ``ended``: the error event of a job
+    that did not finish (cancelled, failed), in place of its finish."""
     (choice,) = body["choices"]
     message = choice["message"]
 
@@ -101,6 +113,10 @@ def chunks_of_result(body: dict[str, Any]) -> Iterator[str]:
         yield chunk({"content": message["content"]})
     for i, call in enumerate(message.get("tool_calls") or []):
         yield chunk({"tool_calls": [{**call, "index": i}]})
+    if ended is not None:
+        yield ended
+        yield DONE
+        return
     yield chunk({}, choice.get("finish_reason") or "stop")
     if body.get("usage"):
         yield chunk({}, None, usage=body["usage"])

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import redis
 from flask import Response, request, stream_with_context
 
 from jobs.engine.request import GenerationRequest
@@ -48,7 +49,7 @@ def stream(response_id: str, jobs: list[str], after: list[int]) -> Response:
                     continue
                 seq, data = item
                 if extra is None and data.startswith(CHUNK):
-                    extra = _inline(stamp_of(jobs[0]))  # read once the job has a worker
+                    extra = _stamp_or_none(jobs[0])  # read once the job has a worker
                 yield sse.frame(seq, _stamped(data, extra or ""))
         else:
             yield from _choices_stream(jobs, after, gone)
@@ -85,6 +86,16 @@ def stamp_of(job_id: str) -> dict[str, str]:
     return out
 
 
+def _stamp_or_none(job_id: str) -> str | None:
+    """:func:`stamp_of` as a chunk's first members; None while Redis does not
+    answer (the stream rides an outage out as before: the next chunk asks
+    again)."""
+    try:
+        return _inline(stamp_of(job_id))
+    except redis.RedisError:
+        return None
+
+
 def _inline(fields: dict[str, str]) -> str:
     """``fields`` as the start of a JSON object's members (``"a":"b",``)."""
     return "".join(f"{json.dumps(k)}:{json.dumps(v)}," for k, v in fields.items())
@@ -110,7 +121,7 @@ def _choices_stream(jobs: list[str], after: list[int], gone: Callable[[], bool])
             continue
         i, seq, data = item
         if extra is None and data.startswith(CHUNK):
-            extra = _inline(stamp_of(jobs[i]))
+            extra = _stamp_or_none(jobs[i])
         data = _stamped(data, extra or "")
         last[i] = seq
         if data == DONE:

@@ -21,7 +21,7 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify, request, stream_with_context
 
-from jobs.store.events import DONE
+from jobs.store.events import DONE, error_event
 from jobs.store.scheduling import Cancelled, JobEnded
 from scheduler.policy import tier_of
 from scheduler.state import TERMINAL, JobState
@@ -55,6 +55,9 @@ STOP_WAIT_SECONDS = 10.0
 def create() -> Any:
     body = read_body()
     req = parse(ResponsesRequest, body)
+    if req.background and not req.store:
+        raise BadRequest("A background response is stored: store=false cannot be used with "
+                         "background=true.", param="store")  # fmt: skip
     previous: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         previous = _conversation_after(req.previous_response_id)
@@ -156,7 +159,7 @@ def _param(chat_param: str | None) -> str | None:
         return None
     head = chat_param.split(".", 1)[0]
     names = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-             "response_format": "text.format"}  # fmt: skip
+             "max_tokens": "max_output_tokens", "response_format": "text.format"}  # fmt: skip
     return names.get(head, chat_param)
 
 
@@ -247,14 +250,30 @@ def _translated(response_id: str, record: dict[str, str], kept: Any) -> Translat
     job's stored events, or (once they expired) its kept result."""
     t = Translator(kept["base"], queued=bool(kept["base"]["background"]))
     t.start()
-    store = current().store
-    events = [data for _, data in store.events_after(response_id, 0)]
-    if not events and JobState(record["state"]) is JobState.FINISHED:
-        body = result_of(store, response_id, record)
-        events = list(chunks_of_result(body)) if body is not None else []
+    events = [data for _, data in current().store.events_after(response_id, 0)]
+    if not events and JobState(record["state"]) in TERMINAL:
+        events = _kept_events(response_id, record)
     for data in events:
         t.feed(data)
     return t
+
+
+def _kept_events(response_id: str, record: dict[str, str]) -> list[str]:
+    """What stands in for an ended response's expired events: its kept result
+    (the janitor keeps one for a finished response, and for a cancelled or
+    failed one what it had written) as chat chunks, ended as the job ended."""
+    store = current().store
+    state = JobState(record["state"])
+    ended = None
+    if state is JobState.CANCELLED:
+        ended = error_event("The response was cancelled.", "cancelled", "cancelled")
+    elif state is JobState.FAILED:
+        ended = error_event(record.get("error") or "The response failed.", "server_error",
+                            "failed")  # fmt: skip
+    body = result_of(store, response_id, record)
+    if body is None:
+        return [ended, DONE] if ended is not None else []
+    return list(chunks_of_result(body, ended))
 
 
 def _status(record: dict[str, str]) -> str:
@@ -335,21 +354,30 @@ def _stream(response_id: str, base: dict[str, Any], queued: bool, after: int) ->
             if event["sequence_number"] > after:
                 yield _frame(event)
         keepalive = runtime.settings.keepalive_seconds
+        fed = 0
         for item in sse.events(runtime.store, response_id, 0, keepalive, gone):
             if item is None:
                 yield sse.KEEPALIVE
                 continue
             data = item[1]
             if data != DONE and json.loads(data).get("error", {}).get("code") == EXPIRED:
-                # Its events expired before this read: the kept result stands in.
+                # Its events expired before this read. A reading from the start
+                # gets the response from its kept result; a resumed one (or one
+                # that had read some) cannot continue its numbering: it ends
+                # with an error event saying so.
                 record = runtime.store.get(response_id) or {}
-                body = result_of(runtime.store, response_id, record) if record else None
-                feed = list(chunks_of_result(body)) if body is not None else [data, DONE]
-                for piece in feed:
+                if after >= 0 or fed or not record:
+                    yield _frame({"type": "error", "sequence_number": t.seq + 1,
+                                  "code": EXPIRED, "param": None,
+                                  "message": f"The events of response '{response_id}' "
+                                  "expired while it was read: GET /v1/responses/"
+                                  f"{response_id} has the whole response."})  # fmt: skip
+                    return
+                for piece in _kept_events(response_id, record):
                     for event in t.feed(piece):
-                        if event["sequence_number"] > after:
-                            yield _frame(event)
+                        yield _frame(event)
                 return
+            fed += 1
             for event in t.feed(data):
                 if event["sequence_number"] > after:
                     yield _frame(event)
@@ -424,7 +452,7 @@ def delete(response_id: str) -> Any:
                        "shortly.", code="response_running")  # fmt: skip
     store.r.delete(k.job(response_id), k.events(response_id), k.readers(response_id))
     store.r.zrem(k.ended, response_id)
-    runtime.rq.delete(response_id)
+    runtime.rq.forget(response_id)
     return jsonify({"id": response_id, "object": "response", "deleted": True})
 
 

@@ -100,6 +100,15 @@ class RQBridge:
             p.delete(Job.key_for(job_id))
             p.execute()
 
+    def forget(self, job_id: str) -> None:
+        """Drop an ended job's RQ record and its entries in RQ's registries (a
+        deleted response)."""
+        job = self.fetch(job_id)
+        if job is not None:
+            job.delete(remove_from_queue=True)
+        else:
+            self.delete(job_id)
+
     def fetch(self, job_id: str) -> Job | None:
         """The RQ record, or None when there is none (Redis errors are raised)."""
         try:

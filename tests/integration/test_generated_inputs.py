@@ -27,7 +27,7 @@ from flask.testing import FlaskClient
 from hypothesis import HealthCheck, event, given, settings
 
 from scheduler.settings import load_settings
-from tests.inputs import FILE_ID, JOB_ID, Call, requests
+from tests.inputs import FILE_ID, JOB_ID, RESPONSE_ID, Call, requests
 from web.app import create_app
 
 settings.register_profile(
@@ -45,6 +45,7 @@ class App:
     def __init__(self, client: FlaskClient, r: redis.Redis, prefix: str) -> None:
         self.client, self.r, self.prefix = client, r, prefix
         self.file_id = ""
+        self.response_id = ""
         self.job_id = self._cancelled_job()
 
     def keys(self) -> set[bytes]:
@@ -63,6 +64,17 @@ class App:
         resp.close()
         assert self.client.delete(f"/v1/jobs/{job_id}").status_code == 200
         return str(job_id)
+
+    def a_response(self) -> str:
+        """A cancelled background response of this app (made again if a request
+        deleted it): its routes answer about a real response."""
+        path = f"/v1/responses/{self.response_id}"
+        if self.response_id and self.client.get(path).status_code == 200:
+            return self.response_id
+        body = {"input": "hi", "background": True, "max_output_tokens": 2}
+        self.response_id = self.client.post("/v1/responses", json=body).get_json()["id"]
+        assert self.client.post(f"/v1/responses/{self.response_id}/cancel").status_code == 200
+        return self.response_id
 
     def a_file(self) -> str:
         """A batch input file of this app (uploaded again if a request deleted it)."""
@@ -87,11 +99,12 @@ def app(redis_server: Any, tiny_model: Path) -> Iterator[App]:
 def _prepared(call: Call, app: App) -> Call:
     """The call with this app's ids in place of the markers, and a generation
     request that would wait for a worker sent streamed instead."""
-    marks = {quote(FILE_ID, safe=""): FILE_ID, quote(JOB_ID, safe=""): JOB_ID}
+    marks = {quote(FILE_ID, safe=""): app.a_file, quote(JOB_ID, safe=""): lambda: app.job_id,
+             quote(RESPONSE_ID, safe=""): app.a_response}  # fmt: skip
     path = call.path
-    for quoted, mark in marks.items():
+    for quoted, made in marks.items():
         if quoted in path:
-            path = path.replace(quoted, app.a_file() if mark == FILE_ID else app.job_id)
+            path = path.replace(quoted, made())
     body = call.body
     if isinstance(body, dict):
         if body.get("input_file_id") == FILE_ID:

@@ -86,7 +86,9 @@ def test_a_background_stream_cut_after_n_events_resumes_with_each_event_once(
             if len(seen) == cut:
                 break
     response_id = seen[0].response.id
-    while seen[-1].type not in ("response.completed", "response.incomplete"):
+    deadline = time.monotonic() + 120
+    while seen[-1].type not in ("response.completed", "response.incomplete", "response.failed"):
+        assert time.monotonic() < deadline, f"no end after {len(seen)} events"
         after = seen[-1].sequence_number
         with client.responses.retrieve(response_id, stream=True, starting_after=after) as more:
             for event in more:
@@ -101,8 +103,9 @@ def test_a_background_stream_cut_after_n_events_resumes_with_each_event_once(
 def test_a_background_response_runs_on_when_its_reader_leaves(
     client: openai.OpenAI, cluster: Cluster
 ) -> None:
-    """Past the disconnect grace period (1 s here) a chat whose reader left is
-    cancelled; a background response is not."""
+    """Past the disconnect grace period (1 s here) an interactive job whose
+    reader left is cancelled (tests/integration/test_disconnect.py); an
+    interactive background response is not."""
     args = {**LONG, "max_output_tokens": 3000, "extra_body": {"seed": 7, "ignore_eos": True}}
     with client.responses.create(background=True, stream=True, **args) as events:
         created = next(iter(events))  # an interactive one (the default priority)

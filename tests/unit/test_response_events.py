@@ -124,3 +124,19 @@ def test_input_items_become_chat_messages() -> None:
     assert [c["id"] for c in messages[1]["tool_calls"]] == ["c1", "c2"]
     assert messages[2] == {"role": "tool", "tool_call_id": "c1", "content": "x"}
     assert json.dumps(messages)  # plain JSON, as a record keeps it
+
+
+def test_one_turn_of_text_and_calls_is_one_assistant_message() -> None:
+    """What the model wrote in one turn (text, a call, more text) comes back as
+    the one assistant message it generated, not three in a row."""
+    said = [
+        {"type": "message", "role": "user", "content": "go"},
+        {"type": "message", "role": "assistant", "content": "Hi"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "message", "role": "assistant", "content": " there"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+    ]
+    messages = input_messages(said)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["content"] == "Hi there"
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["c1"]
