@@ -5,6 +5,7 @@ stream whose events expire while it is read."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -113,3 +114,20 @@ def test_a_stream_whose_events_expire_while_it_is_read_ends_with_an_error_not_a_
     assert events[-1]["type"] == "error" and events[-1]["code"] == "expired"
     deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
     assert deltas == [TEXTS[0]]  # what was read, once; nothing spliced after it
+
+
+def test_every_log_line_of_a_request_carries_the_id_its_response_has(
+    client: FlaskClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        resp = client.post("/v1/completions", json={"prompt": "hello", "stream": True},
+                           headers={"X-Request-Id": "edge-7:a"})  # fmt: skip
+        job_id = resp.headers["X-Job-Id"]
+        resp.close()
+    assert resp.headers["x-request-id"] == "edge-7:a"
+    queued = [r.getMessage() for r in caplog.records if job_id in r.getMessage()]
+    assert queued and all(m.startswith("[edge-7:a] ") for m in queued)
+    for given in ("", "x" * 129, "with space", "é"):
+        made = client.get("/v1/jobs/nope", headers={"X-Request-Id": given} if given else {})
+        assert made.status_code == 404
+        assert made.headers["x-request-id"].startswith("req_")
