@@ -42,8 +42,9 @@ def _tag_records() -> None:
     def tagged(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = make(*args, **kwargs)
         rid = request_id()
-        if rid:
-            record.request_id = rid
+        if rid and isinstance(record.msg, str):
+            # (The message, not an attribute: a caller's extra={"request_id": ...}
+            # must not collide with it.)
             record.msg = f"[{rid}] {record.msg}"
         return record
 

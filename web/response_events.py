@@ -40,10 +40,10 @@ def _text_of(content: Any) -> str:
 
 def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Input items (validated: web/schemas.py) as chat messages: a message as
-    it is, a ``function_call_output`` as a tool message, and what the model
-    wrote in one turn (assistant text and ``function_call`` items with no other
-    message between them) as one assistant message with its tool calls, as the
-    model generated it."""
+    it is, a ``function_call_output`` as a tool message, and ``function_call``
+    items as the tool calls of the assistant message right before them (a
+    new one where there is none): the text and the calls the model wrote in
+    one turn are one assistant message, as it generated them."""
     out: list[dict[str, Any]] = []
     for item in items:
         kind = item.get("type", "message")
@@ -51,10 +51,7 @@ def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         turn = last is not None and last["role"] == "assistant"
         if kind == "message":
             text = _text_of(item.get("content"))
-            if item["role"] == "assistant" and turn and last is not None:
-                last["content"] = (last.get("content") or "") + text
-            else:
-                out.append({"role": item["role"], "content": text})
+            out.append({"role": item["role"], "content": text})
         elif kind == "function_call":
             call = {
                 "id": item["call_id"],
@@ -73,14 +70,12 @@ def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output items as the chat messages that continue its
-    conversation (``previous_response_id``)."""
-    items: list[dict[str, Any]] = []
-    for item in output:
-        if item["type"] == "message":
-            text = "".join(p.get("text", "") for p in item.get("content", []))
-            items.append({"type": "message", "role": "assistant", "content": text})
-        elif item["type"] == "function_call":
-            items.append(item)
+    conversation (``previous_response_id``): its text (all of it, as one
+    turn's content) and its calls, one assistant message."""
+    text = "".join(p.get("text", "") for item in output if item["type"] == "message"
+                   for p in item.get("content", []))  # fmt: skip
+    items: list[dict[str, Any]] = [{"type": "message", "role": "assistant", "content": text}]
+    items += [item for item in output if item["type"] == "function_call"]
     return input_messages(items)
 
 

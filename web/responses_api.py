@@ -269,10 +269,12 @@ def _kept_events(response_id: str, record: dict[str, str]) -> list[str]:
         ended = error_event("The response was cancelled.", "cancelled", "cancelled")
     elif state is JobState.FAILED:
         ended = error_event(record.get("error") or "The response failed.", "server_error",
-                            "failed")  # fmt: skip
+                            record.get("error_code") or "failed")  # fmt: skip
     body = result_of(store, response_id, record)
-    if body is None:
-        return [ended, DONE] if ended is not None else []
+    if body is None:  # nothing kept: what it said is gone, not what it was
+        gone = error_event(f"The output of response '{response_id}' has expired.",
+                           "server_error", EXPIRED)  # fmt: skip
+        return [ended or gone, DONE]
     return list(chunks_of_result(body, ended))
 
 
@@ -367,7 +369,7 @@ def _stream(response_id: str, base: dict[str, Any], queued: bool, after: int) ->
                 # with an error event saying so.
                 record = runtime.store.get(response_id) or {}
                 if after >= 0 or fed or not record:
-                    yield _frame({"type": "error", "sequence_number": t.seq + 1,
+                    yield _frame({"type": "error", "sequence_number": max(t.seq, after) + 1,
                                   "code": EXPIRED, "param": None,
                                   "message": f"The events of response '{response_id}' "
                                   "expired while it was read: GET /v1/responses/"

@@ -100,14 +100,16 @@ class RQBridge:
             p.delete(Job.key_for(job_id))
             p.execute()
 
+    @_view_write
     def forget(self, job_id: str) -> None:
-        """Drop an ended job's RQ record and its entries in RQ's registries (a
-        deleted response)."""
-        job = self.fetch(job_id)
-        if job is not None:
-            job.delete(remove_from_queue=True)
-        else:
-            self.delete(job_id)
+        """Drop an ended job's RQ record and its entries in RQ's queue and
+        registries (a deleted response); a job already gone is no error."""
+        with self.r.pipeline() as p:
+            p.lrem(self.queue.key, 0, job_id)
+            for registry in (FinishedJobRegistry, FailedJobRegistry, CanceledJobRegistry):
+                p.zrem(registry(queue=self.queue).key, job_id)
+            p.delete(Job.key_for(job_id))
+            p.execute()
 
     def fetch(self, job_id: str) -> Job | None:
         """The RQ record, or None when there is none (Redis errors are raised)."""

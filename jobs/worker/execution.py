@@ -638,8 +638,8 @@ class Executions:
         try:
             self._retrying(
                 lambda: self.store.finish(
-                    claim.job_id, claim.exec_token, slot, JobState.FAILED, {"error": message}, 0,
-                    payloads, time.time(),
+                    claim.job_id, claim.exec_token, slot, JobState.FAILED,
+                    {"error": message, "error_code": code}, 0, payloads, time.time(),
                 )
             )  # fmt: skip
         except (Fenced, TransitionRefused):

@@ -25,7 +25,7 @@ from tests.integration.test_workers import Cluster, running_cluster
 LONG: dict[str, Any] = {
     "model": "tiny",
     "input": "Tell me everything about the park.",
-    "max_output_tokens": 400,
+    "max_output_tokens": 1500,
     "temperature": 1.0,
     "extra_body": {"seed": 7, "ignore_eos": True, "priority": "batch"},
 }

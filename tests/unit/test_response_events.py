@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from jobs.store.events import DONE, error_event
 from jobs.worker.chunks import ChunkWriter
-from web.response_events import Translator, chunks_of_result, input_messages
+from web.response_events import Translator, chunks_of_result, input_messages, output_messages
 
 BASE = {"id": "resp_00ff", "object": "response", "background": True, "model": "m"}
 WRITER = ChunkWriter("chat", "resp_00ff", "m", 0, lambda t: bytes([t]))
@@ -127,16 +127,27 @@ def test_input_items_become_chat_messages() -> None:
 
 
 def test_one_turn_of_text_and_calls_is_one_assistant_message() -> None:
-    """What the model wrote in one turn (text, a call, more text) comes back as
-    the one assistant message it generated, not three in a row."""
+    """Calls join the assistant message right before them (as the model wrote
+    them in one turn); two assistant messages are never glued together; and a
+    response's own output (text, a call, more text) continues as the one
+    assistant message it generated."""
     said = [
         {"type": "message", "role": "user", "content": "go"},
-        {"type": "message", "role": "assistant", "content": "Hi"},
+        {"type": "message", "role": "assistant", "content": "Hi."},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
-        {"type": "message", "role": "assistant", "content": " there"},
         {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        {"type": "message", "role": "assistant", "content": "Done."},
+        {"type": "message", "role": "assistant", "content": "More?"},
     ]
     messages = input_messages(said)
-    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
-    assert messages[1]["content"] == "Hi there"
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "assistant"]
+    assert messages[1]["content"] == "Hi."
     assert [c["id"] for c in messages[1]["tool_calls"]] == ["c1"]
+    assert [m["content"] for m in messages[3:]] == ["Done.", "More?"]
+    output: list[dict[str, Any]] = [
+        {"type": "message", "content": [{"type": "output_text", "text": "Hi"}]},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "[]"},
+        {"type": "message", "content": [{"type": "output_text", "text": " there"}]},
+    ]
+    (turn,) = output_messages(output)
+    assert turn["content"] == "Hi there" and [c["id"] for c in turn["tool_calls"]] == ["c2"]
