@@ -207,6 +207,12 @@ def _name_operations(paths: dict[str, Any]) -> None:
             "GetJob": _link("get_v1_jobs_job_id", "job_id"),
             "CancelJob": _link("delete_v1_jobs_job_id", "job_id"),
         },
+        "post_v1_responses": {
+            "GetResponse": _link("get_v1_responses_response_id", "response_id"),
+            "CancelResponse": _link("post_v1_responses_response_id_cancel", "response_id"),
+            "GetInputItems": _link("get_v1_responses_response_id_input_items", "response_id"),
+            "DeleteResponse": _link("delete_v1_responses_response_id", "response_id"),
+        },
     }
     for ops in paths.values():
         for op in ops.values():

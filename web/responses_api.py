@@ -309,16 +309,20 @@ def retrieve(response_id: str) -> Any:
     """The response (``stream=true``: its events after ``starting_after``, then
     live)."""
     _, kept = _response(response_id)
-    if request.args.get("stream", "false").lower() != "true":
-        return jsonify(_object(response_id))
-    raw = request.args.get("starting_after") or request.headers.get("Last-Event-ID") or "-1"
+    stream = _flag("stream")
+    given = request.args.getlist("starting_after")
+    raw = given[0] if given else request.headers.get("Last-Event-ID") or "-1"
     try:
         after = int(raw)
+        if len(given) > 1:
+            raise ValueError(raw)
     except ValueError:
-        raise BadRequest("starting_after must be an event's sequence_number (an integer).",
+        raise BadRequest("starting_after must be one event's sequence_number (an integer).",
                          param="starting_after") from None  # fmt: skip
     if after < -1 or after >= 2**63:
         raise BadRequest("starting_after must be from -1 to 2^63 - 1.", param="starting_after")
+    if not stream:
+        return jsonify(_object(response_id))
     ending = current().store.ending(response_id)
     if ending is not None and ending.expired and after >= 0:
         raise Gone(f"The events of response '{response_id}' have expired (they are kept "
@@ -332,6 +336,16 @@ def retrieve(response_id: str) -> Any:
         raise
     resp.call_on_close(release)
     return resp
+
+
+def _flag(name: str) -> bool:
+    """A boolean query parameter: ``true`` or ``false`` (absent: false)."""
+    values = request.args.getlist(name)
+    if not values:
+        return False
+    if len(values) > 1 or values[0] not in ("true", "false"):
+        raise BadRequest(f"{name} must be given once, as true or false.", param=name)
+    return values[0] == "true"
 
 
 def _frame(event: dict[str, Any]) -> bytes:
