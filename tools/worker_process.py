@@ -21,6 +21,7 @@ from jobs.engine.kernels import (
     exact_prompts,
     invariant_batch_size,
     keep_attention_unsplit,
+    keep_cuda_invariant,
     keep_decode_untiled,
     patch_level,
     prompt_floors,
@@ -59,6 +60,11 @@ def run_worker(settings: Settings) -> None:
             plan.reason,
         )
     assert settings.max_seqs is not None and settings.parked_seqs is not None
+    gpu = device_key(settings.n_gpu_layers) != "CPU"
+    if settings.exact and gpu:
+        # Before llama.cpp's first CUDA op here (it reads the switch once).
+        on, said = keep_cuda_invariant(gpu)
+        (log.info if on else log.warning)("%s", said)
     kernels = worker_kernels(settings)
     log.info(
         "llama.cpp extra buffer types %s: %s",
@@ -67,7 +73,6 @@ def run_worker(settings: Settings) -> None:
     )
     ops = None
     floor = ""
-    gpu = device_key(settings.n_gpu_layers) != "CPU"
     if settings.exact:
         at, said = keep_decode_untiled()
         floor = f", {TILED_FLOOR}={at}"

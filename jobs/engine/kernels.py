@@ -46,6 +46,7 @@ __all__ = [
     "exact_prompts",
     "invariant_batch_size",
     "keep_attention_unsplit",
+    "keep_cuda_invariant",
     "keep_decode_untiled",
     "patch_level",
     "peer_server_command",
@@ -323,15 +324,49 @@ def keep_decode_untiled() -> tuple[int, str]:
 FA_SPLIT_SWITCH = "GGML_CPU_FA_SPLIT_KV"
 
 
+#: The switch of parkq's CUDA build that fixes every kernel choice and every
+#: split of a sum that depends on the number of sequences in a call or on the
+#: KV cells it spans (tools/llamapatch/0005-cuda-batch-invariant.patch; read once
+#: per process; stock llama.cpp has none and ignores it).
+CUDA_INVARIANT_SWITCH = "GGML_CUDA_BATCH_INVARIANT"
+#: The first patch level that carries it.
+CUDA_INVARIANT_PATCH = 5
+
+
+def keep_cuda_invariant(gpu: bool) -> tuple[bool, str]:
+    """On a GPU with parkq's llama.cpp, set :data:`CUDA_INVARIANT_SWITCH` (before
+    llama.cpp's first CUDA op in this process; the check's child inherits it),
+    unless the operator set it off. Whether it is on, and what to say (for the
+    log). The per-op check still decides the width: the switch makes kernels
+    agree, the check proves it on the card."""
+    if not gpu:
+        return False, ""
+    if patch_level() < CUDA_INVARIANT_PATCH:
+        return False, (f"this llama.cpp has no {CUDA_INVARIANT_SWITCH} (python -m "
+                       "tools.llamapatch ensure): CUDA chooses its kernels by the number of "
+                       "sequences in a call")  # fmt: skip
+    given = os.environ.get(CUDA_INVARIANT_SWITCH)
+    if given is not None and given.strip() != "1":
+        return False, f"{CUDA_INVARIANT_SWITCH}={given}, the operator's"
+    os.environ[CUDA_INVARIANT_SWITCH] = "1"
+    return True, (f"{CUDA_INVARIANT_SWITCH}=1: one CUDA kernel and one split of each sum "
+                  "for every width and KV length")  # fmt: skip
+
+
 def keep_attention_unsplit(gpu: bool) -> tuple[bool, str]:
     """Whether an exact worker may run flash attention: on a CPU with parkq's
     llama.cpp, whose switch turns off the split of a lone sequence's KV cells
     across threads (set here before llama.cpp's first attention in this
-    process; the check's child inherits it). Not on a GPU (its flash attention
-    kernels are not checked here), not on a stock build, and not where the
-    operator set the switch on. Whether, and why (for the log)."""
+    process; the check's child inherits it); on a GPU where
+    :func:`keep_cuda_invariant` turned CUDA's switch on (its flash attention
+    then takes one kernel and a fixed split at every width and KV length). Not
+    on a stock build, and not where the operator set a switch otherwise. The
+    per-op check still has the last word. Whether, and why (for the log)."""
     if gpu:
-        return False, "flash attention off: exact mode on a GPU keeps the plain attention"
+        if os.environ.get(CUDA_INVARIANT_SWITCH) == "1" and patch_level() >= CUDA_INVARIANT_PATCH:
+            return True, (f"flash attention on, {CUDA_INVARIANT_SWITCH}=1 (one kernel and a "
+                          "fixed split of each sequence's cells)")  # fmt: skip
+        return False, "flash attention off: exact mode on this GPU build keeps the plain attention"
     if patch_level() < 2:
         return False, "flash attention off: this llama.cpp cannot turn its KV split off"
     given = os.environ.get(FA_SPLIT_SWITCH)
@@ -344,14 +379,18 @@ def keep_attention_unsplit(gpu: bool) -> tuple[bool, str]:
 def worker_attention(settings: Settings) -> bool:
     """Whether a worker with ``settings`` runs flash attention (what the bench's
     peer is given): ``PARKQ_EXACT=0`` lets llama.cpp choose (on, on a CPU); an
-    exact worker on a CPU with parkq's llama.cpp runs it where its check
-    certifies it (the usual case; the worker's log says when not)."""
+    exact worker with parkq's llama.cpp runs it where its check certifies it
+    (on a CPU the usual case; on a GPU with CUDA's switch on; the worker's log
+    says when not)."""
     from jobs.engine.llama import device_key
 
     on_gpu = device_key(settings.n_gpu_layers) != "CPU"
     if not settings.exact:
         return not on_gpu
-    return not on_gpu and patch_level() >= 2 and os.environ.get(FA_SPLIT_SWITCH, "0") == "0"
+    if on_gpu:
+        return (patch_level() >= CUDA_INVARIANT_PATCH
+                and os.environ.get(CUDA_INVARIANT_SWITCH, "1") == "1")  # fmt: skip
+    return patch_level() >= 2 and os.environ.get(FA_SPLIT_SWITCH, "0") == "0"
 
 
 def patch_level() -> int:

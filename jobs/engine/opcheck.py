@@ -892,6 +892,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # a lone row's cells not split across threads. Set the switch to 1 to
         # check llama.cpp's own split (which a lone row's result depends on).
         os.environ["GGML_CPU_FA_SPLIT_KV"] = "0"
+    if args.gpu and "GGML_CUDA_BATCH_INVARIANT" not in os.environ:
+        # As an exact worker runs a CUDA build (jobs.engine.kernels.keep_cuda_invariant):
+        # set it to 0 to check stock llama.cpp's choices by width and length.
+        os.environ["GGML_CUDA_BATCH_INVARIANT"] = "1"
     verdict = check_model(args.model, widths=args.widths, n_ctx=args.ctx, gpu=args.gpu,
                           threads=args.threads, seconds=args.seconds,
                           flash=args.flash_attn, prompts=args.prompts,

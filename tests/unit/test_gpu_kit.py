@@ -62,13 +62,14 @@ def test_the_trimmed_source_drops_what_no_build_reads(name: str) -> None:
     assert not keeps(_member("ggml/src/ggml-sycl", directory=True))
 
 
-def test_the_cuda_build_targets_one_architecture_without_flash_attention_kernels(
+def test_the_cuda_build_targets_one_architecture_with_flash_attention_for_f16_caches(
     tmp_path: Path,
 ) -> None:
+    """An exact worker on a GPU runs flash attention (GGML_CUDA_BATCH_INVARIANT)."""
     cuda = cmake_args(tmp_path / "src", tmp_path / "build", cuda=True, arch="90")
     assert "-DGGML_CUDA=ON" in cuda
     assert "-DCMAKE_CUDA_ARCHITECTURES=90-real" in cuda
-    assert "-DGGML_CUDA_FA=OFF" in cuda
+    assert "-DGGML_CUDA_FA=ON" in cuda and "-DGGML_CUDA_FA_QUANTS=f16-f16" in cuda
     assert "-DBUILD_SHARED_LIBS=ON" in cuda  # what llama-cpp-python loads
     cpu = cmake_args(tmp_path / "src", tmp_path / "build", cuda=False)
     assert not any("CUDA" in a for a in cpu)

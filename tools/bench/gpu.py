@@ -133,31 +133,47 @@ def models(check: Check) -> dict[str, Any]:
     return out
 
 
-def _engine(model: str, seqs: int, n_ctx: int) -> Any:
+def _engine(model: str, seqs: int, n_ctx: int, flash_attn: bool = False) -> Any:
     from jobs.engine.llama import LlamaEngine
 
-    return LlamaEngine(model, n_ctx=n_ctx, n_batch=256, n_seq_max=seqs, extra_buffers=False)
+    return LlamaEngine(model, n_ctx=n_ctx, n_batch=256, n_seq_max=seqs, extra_buffers=False,
+                       flash_attn=flash_attn)  # fmt: skip
+
+
+#: The CUDA build's switch an exact worker sets (jobs.engine.kernels.keep_cuda_invariant).
+CUDA_SWITCH = "GGML_CUDA_BATCH_INVARIANT"
 
 
 def opcheck(check: Check) -> dict[str, Any]:
-    """The per-op check in a child per model, on the card (the CPU with ``--cpu``)."""
+    """The per-op check in a child per model, on the card (the CPU with ``--cpu``).
+    On a card: with flash attention and CUDA's batch-invariant switch on, as an
+    exact worker runs it, and for the first model once more with the switch off
+    (stock llama.cpp's choices by width and KV length: what the switch changes)."""
     out: dict[str, Any] = {}
-    models = list(check.models.items())
-    for i, (quant, model) in enumerate(models):
+    arms: list[tuple[str, str, dict[str, str]]] = []
+    for i, (quant, model) in enumerate(check.models.items()):
+        if check.cpu:
+            arms.append((quant, model, {}))
+            continue
+        arms.append((quant, model, {CUDA_SWITCH: "1"}))
+        if i == 0:
+            arms.append((f"{quant}, {CUDA_SWITCH}=0", model, {CUDA_SWITCH: "0"}))
+    for i, (name, model, env) in enumerate(arms):
         if check.left() < 5:
             break
-        where = [] if check.cpu else ["--gpu"]
+        where = [] if check.cpu else ["--gpu", "--flash-attn"]
         # The attention part's own time: a share of what is left, with room to load.
-        seconds = max(2.0, check.left() / (len(models) - i) - 10)
+        seconds = max(2.0, check.left() / (len(arms) - i) - 10)
         cmd = [sys.executable, "-m", "jobs.engine.opcheck", model, "--widths",
                str(check.limit), "--ctx", "4096", "--json", "--seconds", f"{seconds:.0f}",
                *where]  # fmt: skip
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                                  timeout=max(check.left(), 5.0))  # fmt: skip
-            out[quant] = json.loads(done.stdout.strip().splitlines()[-1])
+                                  timeout=max(check.left(), 5.0),
+                                  env={**os.environ, **env})  # fmt: skip
+            out[name] = json.loads(done.stdout.strip().splitlines()[-1])
         except (subprocess.TimeoutExpired, ValueError, IndexError) as exc:
-            out[quant] = {"error": f"{type(exc).__name__}: {exc}"}
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
 
 
@@ -165,12 +181,29 @@ def probe(check: Check) -> dict[str, Any]:
     """Every batch size, not only up to the first that fails: on CUDA the
     kernels change with the batch width, so a size can fail and a larger pass.
     The worker takes the largest size below the first that fails."""
+    from jobs.engine.kernels import keep_attention_unsplit, keep_cuda_invariant
+
     out: dict[str, Any] = {}
+    # As an exact worker runs the card: CUDA's switch on where the build has it
+    # (read once, at this process's first CUDA op: the park and step sections
+    # after this one run with it too), and flash attention where it is on.
+    # Children started after this section do not inherit it (the inexact arms).
+    had = os.environ.get(CUDA_SWITCH)
+    switch, _ = keep_cuda_invariant(not check.cpu)
+    flash = switch and keep_attention_unsplit(True)[0]
+    try:
+        return _probe(check, out, switch, flash)
+    finally:
+        if had is None:
+            os.environ.pop(CUDA_SWITCH, None)
+
+
+def _probe(check: Check, out: dict[str, Any], switch: bool, flash: bool) -> dict[str, Any]:
     for quant, model in check.models.items():
         if check.left() < 5:
             break
         t0 = time.perf_counter()
-        engine = _engine(model, check.limit, 2048)
+        engine = _engine(model, check.limit, 2048, flash_attn=flash)
         found = engine.probe_invariance(check.limit, seconds=max(check.left() / 4, 5.0),
                                         every_size=True)  # fmt: skip
         sizes: dict[str, Any] = {
@@ -182,6 +215,8 @@ def probe(check: Check) -> dict[str, Any]:
         out[quant] = {
             "device": engine.device,
             "placement": engine.placement(),
+            CUDA_SWITCH: switch,
+            "flash_attn": flash,
             "positions_checked": found.horizon,
             "sizes": sizes,
             "worker_takes": verdict,
@@ -463,7 +498,9 @@ def markdown(r: dict[str, Any]) -> str:
     for quant, p in probe_r.items():
         if not isinstance(p, dict) or "sizes" not in p:
             continue
-        lines += ["", f"## Batch invariance, {quant} ({p['placement']})", "",
+        how = f", {CUDA_SWITCH}=1" if p.get(CUDA_SWITCH) else ""
+        how += ", flash attention" if p.get("flash_attn") else ""
+        lines += ["", f"## Batch invariance, {quant} ({p['placement']}{how})", "",
                   "| size | " + " | ".join(p["sizes"]) + " |",
                   "|---|" + "---|" * len(p["sizes"]),
                   "| same logits as alone | " + " | ".join(

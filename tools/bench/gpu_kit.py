@@ -193,9 +193,9 @@ def _without_libraries(wheel: Path) -> None:
 
 def cmake_args(src: Path, build_dir: Path, cuda: bool, arch: str = DEFAULT_ARCH) -> list[str]:
     """The configure command: shared libraries (what llama-cpp-python loads) and
-    ``llama-server``; no flash-attention kernels (parkq's exact mode keeps flash
-    attention off on a GPU, and ``llama-server`` runs with ``-fa off`` beside it),
-    no network."""
+    ``llama-server``; flash-attention kernels for F16 caches only (llama.cpp's
+    default: what parkq's engine keeps, and what an exact worker runs with
+    ``GGML_CUDA_BATCH_INVARIANT``), no network."""
     args = ["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
             "-DBUILD_SHARED_LIBS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TOOLS=ON",
             "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
@@ -204,7 +204,8 @@ def cmake_args(src: Path, build_dir: Path, cuda: bool, arch: str = DEFAULT_ARCH)
             "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON", "-DCMAKE_INSTALL_RPATH=$ORIGIN"]  # fmt: skip
     if cuda:
         args += ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={arch}-real",
-                 "-DGGML_CUDA_FA=OFF", "-DGGML_CUDA_NCCL=OFF"]  # fmt: skip
+                 "-DGGML_CUDA_FA=ON", "-DGGML_CUDA_FA_QUANTS=f16-f16",
+                 "-DGGML_CUDA_NCCL=OFF"]  # fmt: skip
         if ctypes.util.find_library("cuda") is None or not _driver_loads():
             # No NVIDIA driver here (a prebuild): the toolkit's libcuda stub links
             # the libraries; the driver of the machine that runs them resolves them.

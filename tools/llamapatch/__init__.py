@@ -37,7 +37,7 @@ __all__ = ["BASE_VERSION", "apply", "ensure", "label", "patches", "wheel"]
 #: The llama-cpp-python release the patches are written against.
 BASE_VERSION = "0.3.36"
 #: Raised whenever a patch is added or changed (the local version label).
-PATCH_LEVEL = 4
+PATCH_LEVEL = 5
 
 HERE = Path(__file__).resolve().parent
 
@@ -67,6 +67,8 @@ _ADDS = {
                                             "ggml_cpu_set_fa_tiled_min_rows"),
     "0004-cpu-fa-tiled-tile-rows.patch": ("ggml/src/ggml-cpu/ops.cpp",
                                           "short tile is not padded to Q_TILE_SZ"),
+    "0005-cuda-batch-invariant.patch": ("ggml/src/ggml-cuda/common.cuh",
+                                        "GGML_CUDA_BATCH_INVARIANT"),
 }  # fmt: skip
 
 
