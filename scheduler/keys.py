@@ -109,6 +109,18 @@ class Keys:
         return f"{self.base}:store"
 
     @property
+    def webhooks_due(self) -> str:
+        """Sorted set of webhook event ids scored by their next delivery attempt (a
+        sender claims one by moving its score past its lease). Bound: an event
+        leaves when its endpoint answers 2xx or after PARKQ_WEBHOOK_RETRY_SECONDS."""
+        return f"{self.base}:webhooks"
+
+    def webhook(self, event_id: str) -> str:
+        """Hash of one webhook event: its JSON body, type, attempts, last error.
+        Bound: deleted with its id in :attr:`webhooks_due`."""
+        return f"{self.base}:webhook:{event_id}"
+
+    @property
     def janitor_lock(self) -> str:
         """String held by the `parkq web` process whose janitor is sweeping. Bound: expires."""
         return f"{self.base}:janitor"

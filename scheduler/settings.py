@@ -7,12 +7,14 @@ command-line overrides, frozen, and passed down. Nothing else reads
 
 from __future__ import annotations
 
+import base64
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.keys import Keys
@@ -294,6 +296,30 @@ class Settings(BaseSettings):
         description="How often `parkq web` compacts ended jobs and finalizes batches whose "
         "lines have all ended (without anyone reading them).",
     )
+    webhook_url: str | None = Field(
+        None,
+        description="Where batch webhooks go (`batch.completed`, `batch.failed`, "
+        "`batch.cancelled`, `batch.expired`), POSTed in OpenAI's shape and signed as "
+        "Standard Webhooks (the openai client's `webhooks.unwrap` verifies them); each "
+        "event is kept in Redis until the endpoint answers 2xx (unset: none are sent).",
+    )
+    webhook_secret: str | None = Field(
+        None,
+        description="The webhooks' signing secret: `whsec_` and base64, as OpenAI's (needed "
+        "with PARKQ_WEBHOOK_URL).",
+    )
+    webhook_backoff_seconds: float = Field(
+        5.0,
+        gt=0,
+        description="The pause after a webhook's first failed attempt; it doubles with each "
+        "failure, up to an hour.",
+    )
+    webhook_retry_seconds: int = Field(
+        72 * 3600,
+        ge=60,
+        description="How long a webhook event is retried (backing off, up to an hour apart) "
+        "before it is dropped, logged and counted.",
+    )
 
     # Scheduling policy
     priority_level_seconds: float = Field(
@@ -341,6 +367,33 @@ class Settings(BaseSettings):
     def _key_list(cls, v: str | None) -> str | None:
         parse_keys(v)  # a malformed entry stops the process at start, with the reason
         return v
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _webhook_url(cls, v: str | None) -> str | None:
+        if v and not v.lower().startswith(("http://", "https://")):
+            raise ValueError("PARKQ_WEBHOOK_URL must be an http:// or https:// URL")
+        return v or None
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _webhook_secret(cls, v: str | None) -> str | None:
+        if v:
+            body = v.removeprefix("whsec_")
+            key = b""
+            if re.fullmatch(r"[A-Za-z0-9+/]+={0,2}", body):
+                key = base64.b64decode(body + "=" * (-len(body) % 4))
+            if len(key) < 16:
+                raise ValueError("PARKQ_WEBHOOK_SECRET must be `whsec_` and the base64 of 16 "
+                                 "bytes or more, as OpenAI's signing secrets are")  # fmt: skip
+        return v or None
+
+    @model_validator(mode="after")
+    def _webhook_pair(self) -> Settings:
+        if self.webhook_url and not self.webhook_secret:
+            raise ValueError("PARKQ_WEBHOOK_URL is set but PARKQ_WEBHOOK_SECRET is not: "
+                             "webhooks are always signed")  # fmt: skip
+        return self
 
     @property
     def wait_replicas(self) -> int:

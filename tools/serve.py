@@ -56,9 +56,11 @@ class _Gunicorn(BaseApplication):  # type: ignore[misc]
     def load(self) -> Any:
         from web.app import create_app
         from web.janitor import start_janitor
+        from web.webhooks import start_sender
 
         app = create_app(self.settings)
         start_janitor(app)  # in the serving process (gunicorn loads the app after its fork)
+        start_sender(app.extensions["parkq"].store, self.settings)  # batch webhooks, if set
         return app
 
 

@@ -25,6 +25,7 @@ from jobs.store.batches import BatchStore, Item, new_id
 from jobs.store.events import DONE
 from jobs.store.scheduling import Cancelled
 from scheduler.state import JobState
+from web import webhooks
 from web.errors import APIError, BadRequest, Conflict, NotFound
 from web.files import batch_store, file_meta, jsonl_lines
 from web.intake import (
@@ -36,6 +37,7 @@ from web.intake import (
     unencodable,
 )
 from web.responses import assemble
+from web.responses_api import batch_line_job, batch_result
 from web.runtime import current
 from web.schemas import ChatRequest, CompletionRequest, parse
 from web.tenants import caller, sees
@@ -48,12 +50,19 @@ ENDED = ("completed", "failed", "cancelled", "expired")
 _WINDOW = re.compile(r"^([1-9][0-9]{0,3})h$")
 
 
+class OutputExpiresAfter(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    anchor: Literal["created_at"]
+    seconds: Annotated[int, Field(ge=3600, le=30 * 86400)]
+
+
 class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     input_file_id: str
-    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"]
     completion_window: Annotated[str, Field(pattern=_WINDOW.pattern)] = "24h"
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    output_expires_after: OutputExpiresAfter | None = None
 
 
 class _LineError(Exception):
@@ -64,8 +73,11 @@ class _LineError(Exception):
         self.custom_id = custom_id
 
 
-def _line_job(raw: str, endpoint: str, seen: set[str]) -> tuple[str, GenerationRequest]:
-    """The custom_id and job of one input line; raise :class:`_LineError` if invalid."""
+def _line_job(
+    raw: str, endpoint: str, seen: set[str], job_id: str
+) -> tuple[str, GenerationRequest, dict[str, str]]:
+    """The custom_id, job and extra record fields of one input line (to be job
+    ``job_id``); raise :class:`_LineError` if invalid."""
     try:
         line = parse_json(raw)
     except ValueError as exc:
@@ -100,8 +112,10 @@ def _line_job(raw: str, endpoint: str, seen: set[str]) -> tuple[str, GenerationR
     body = {**body, "stream": False, "priority": "batch"}
     try:
         if endpoint == "/v1/chat/completions":
-            return custom_id, chat_job(_one_choice(parse(ChatRequest, body)))
-        return custom_id, completion_job(_one_choice(parse(CompletionRequest, body)))
+            return custom_id, chat_job(_one_choice(parse(ChatRequest, body))), {}
+        if endpoint == "/v1/responses":
+            return custom_id, *batch_line_job(body, job_id)
+        return custom_id, completion_job(_one_choice(parse(CompletionRequest, body))), {}
     except APIError as exc:
         raise _LineError(exc.code or "invalid_request", exc.message, custom_id) from None
     except redis.RedisError:
@@ -150,6 +164,8 @@ def create_batch() -> Any:
     batches = batch_store()
     now = time.time()
     batch_id = new_id("batch")
+    after = req.output_expires_after
+    keep = {"output_expires_seconds": str(after.seconds)} if after else {}
     record = {
         "id": batch_id,
         "endpoint": req.endpoint,
@@ -158,6 +174,7 @@ def create_batch() -> Any:
         "created_at": str(int(now)),
         "expires_at": str(int(now) + int(window.group(1)) * 3600),
         "metadata": json.dumps(req.metadata),
+        **keep,
         "invalid": "0",
         "errors": "[]",
         "status": "validating",
@@ -212,22 +229,23 @@ def _validate_lines(batches: BatchStore, batch_id: str) -> None:
             f"The input file '{record['input_file_id']}' was deleted (or expired) before "
             "the batch's lines were read."
         )
-    lines: list[tuple[str, str, str, dict[str, Any]]] = []
+    lines: list[tuple[str, str, str, dict[str, Any], dict[str, str]]] = []
     invalid: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     seen: set[str] = set()
     for n, raw in jsonl_lines(content):
+        job_id = new_id("batchreq")
         try:
-            custom_id, gen = _line_job(raw, record["endpoint"], seen)
+            custom_id, gen, extra = _line_job(raw, record["endpoint"], seen, job_id)
         except _LineError as exc:
             message = f"Line {n}: {exc.message}"
             invalid.append(_error_line(exc.custom_id, exc.code, message))
             if len(errors) < 100:
                 errors.append({"code": exc.code, "message": message, "param": None, "line": n})
             continue
-        lines.append((new_id("batchreq"), custom_id, gen.kind, gen.to_json()))
+        lines.append((job_id, custom_id, gen.kind, gen.to_json(), extra))
     runtime = current()
-    for job_id, _, kind, gen_json in lines:
+    for job_id, _, kind, gen_json, _ in lines:
         runtime.rq.create(job_id, f"batch {batch_id}: {kind} {len(gen_json['prompt_ids'])} tokens")
     now = time.time()
     owner = {"owner": record["owner"]} if record.get("owner") else {}
@@ -286,8 +304,11 @@ def _batch_object(batches: BatchStore, batch_id: str) -> dict[str, Any]:
         _start_validation(batches, batch_id)  # again, if its validator died with its process
         total = completed = failed = 0
     else:
-        if status == "in_progress":
-            batches.feed(batch_id)
+        if status == "in_progress" and not record.get("expired_at"):
+            if time.time() >= int(record["expires_at"]):
+                _expire(batches, batch_id)
+            else:
+                batches.feed(batch_id)
         counts, items, states = batches.counts(batch_id, int(record["invalid"]))
         total, completed, failed = counts.total, counts.completed, counts.failed
         if counts.open == 0:
@@ -321,31 +342,66 @@ def _batch_object(batches: BatchStore, batch_id: str) -> dict[str, Any]:
         "finalizing_at": ts("finalizing_at"),
         "completed_at": ts("completed_at"),
         "failed_at": ts("failed_at"),
-        "expired_at": None,
+        "expired_at": ts("expired_at") if status == "expired" else None,
         "cancelling_at": ts("cancelling_at"),
         "cancelled_at": ts("cancelled_at"),
         "request_counts": {"total": total, "completed": completed, "failed": failed},
         "metadata": json.loads(record.get("metadata") or "null"),
+        "usage": _usage(record) if "total" in record else None,
     }
 
 
-def _result_line(batches: BatchStore, item: Item) -> dict[str, Any]:
+def _usage(record: dict[str, str]) -> dict[str, Any]:
+    """The batch's token usage (its completed lines', summed when it ended)."""
+    used = json.loads(record.get("usage") or "{}")
+    inp, out = int(used.get("input", 0)), int(used.get("output", 0))
+    return {
+        "input_tokens": inp,
+        "input_tokens_details": {"cached_tokens": int(used.get("cached", 0))},
+        "output_tokens": out,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": inp + out,
+    }
+
+
+def _expire(batches: BatchStore, batch_id: str) -> None:
+    """The batch's completion window has passed: its lines not yet run never
+    will, the running ones are cancelled, and once they have stopped it ends
+    ``expired`` (its completed lines' results in its output file)."""
+    runtime = current()
+    now = time.time()
+    # Marked before anything stops: a read meanwhile sees it expiring, not failed.
+    if not batches.transition(batch_id, "in_progress", {"expired_at": str(int(now))}):
+        return  # it left in_progress meanwhile (cancelled, finalized)
+    for job_id in batches.drop_pending(batch_id):
+        runtime.rq.canceled(job_id)
+    for job_id, outcome in runtime.store.cancel_live(batches.live_jobs(batch_id), now).items():
+        if outcome is Cancelled.CANCELLED:
+            runtime.store.telemetry.count("jobs_cancelled")
+            runtime.rq.canceled(job_id)
+    current_app.logger.info("batch %s: expired (its %s window passed)", batch_id,
+                            (batches.get(batch_id) or {}).get("completion_window"))  # fmt: skip
+
+
+def _result_line(batches: BatchStore, item: Item) -> tuple[dict[str, Any], Any]:
+    """A finished line's output line, and its job's usage (chat's shape, or None)."""
     store = batches.store
     record = store.get(item.job) or {}
     gen = GenerationRequest.from_json(json.loads(record["request"]))
     chunks = [json.loads(data) for _, data in store.events_after(item.job, 0) if data != DONE]
     chunks = [c for c in chunks if "error" not in c]
     usage = json.loads(record.get("usage", "null"))
+    body = batch_result(item.job, record) if "response" in record else None
     return {
         "id": f"batch_req_{item.job.removeprefix('batchreq_')}",
         "custom_id": item.custom_id,
         "response": {
             "status_code": 200,
             "request_id": item.job,
-            "body": assemble(item.job, gen, chunks, usage),
+            "body": body if body is not None else assemble(item.job, gen, chunks, usage),
         },
         "error": None,
-    }
+    }, usage
 
 
 #: Lines of a batch's output written (and its lock renewed) at a time.
@@ -356,7 +412,7 @@ def _final_line(
     batches: BatchStore,
     item: Item,
     state: str | None,
-    cancelled: bool,
+    stopped: str | None,
     err: list[dict[str, Any]],
     counts: dict[str, int],
 ) -> dict[str, Any] | None:
@@ -364,7 +420,7 @@ def _final_line(
     line whose result cannot be read is an error line, not a failed batch)."""
     if state == JobState.FINISHED:
         try:
-            line = _result_line(batches, item)
+            line, usage = _result_line(batches, item)
         except (KeyError, ValueError, TypeError) as exc:  # its record or events unreadable
             # (a Redis error is not this line's: it propagates, the next read retries)
             current_app.logger.exception("batch line %s: result unreadable", item.job)
@@ -373,12 +429,21 @@ def _final_line(
             counts["failed"] += 1
             return None
         counts["completed"] += 1
+        if isinstance(usage, dict):
+            counts["input"] += int(usage.get("prompt_tokens") or 0)
+            counts["output"] += int(usage.get("completion_tokens") or 0)
+            details = usage.get("prompt_tokens_details") or {}
+            counts["cached"] += int(details.get("cached_tokens") or 0)
         return line
     if state == JobState.FAILED:
         message = (batches.store.get(item.job) or {}).get("error") or "The request failed."
         err.append(_error_line(item.custom_id, "request_failed", message))
         counts["failed"] += 1
-    elif state == JobState.CANCELLED or cancelled:
+    elif stopped == "expired" and state in (JobState.CANCELLED, None):
+        err.append(_error_line(item.custom_id, "batch_expired", "The request was not run "
+                               "within the batch's completion window."))  # fmt: skip
+        counts["failed"] += 1
+    elif state == JobState.CANCELLED or stopped == "cancelled":
         err.append(_error_line(item.custom_id, "batch_cancelled",
                                "The request was cancelled before it completed."))  # fmt: skip
     else:
@@ -400,18 +465,20 @@ def _finalize(
         # (A finalization that died after marking the batch `finalizing` left its
         # cancel in `cancelling_at`.)
         cancelled = record["status"] == "cancelling" or bool(record.get("cancelling_at"))
+        expired = bool(record.get("expired_at")) and not cancelled
+        stopped = "cancelled" if cancelled else "expired" if expired else None
         now = str(int(time.time()))
         if record["status"] != "failed":  # a failed batch stays failed meanwhile
             batches.update(batch_id, {"status": "finalizing", "finalizing_at": now})
         err: list[dict[str, Any]] = list(batches.invalid_lines(batch_id))
-        counts = {"completed": 0, "failed": 0}
+        counts = {"completed": 0, "failed": 0, "input": 0, "output": 0, "cached": 0}
 
         def output() -> Iterator[bytes]:
             """The output file in pieces of FINALIZE_CHUNK lines (the lock renewed
             for each); every line that is not a result goes to ``err``."""
             piece: list[str] = []
             for n, (item, state) in enumerate(zip(items, states, strict=True), start=1):
-                line = _final_line(batches, item, state, cancelled, err, counts)
+                line = _final_line(batches, item, state, stopped, err, counts)
                 if line is not None:
                     piece.append(json.dumps(line) + "\n")
                 if n % FINALIZE_CHUNK == 0:
@@ -422,7 +489,9 @@ def _finalize(
             if piece:
                 yield "".join(piece).encode()
 
-        expires = int(time.time()) + batches.settings.batch_retention_seconds
+        keep = record.get("output_expires_seconds")
+        expires = int(time.time()) + (int(keep) if keep else
+                                      batches.settings.batch_retention_seconds)  # fmt: skip
         owner = record.get("owner", "")
         written = batches.write_file(f"{batch_id}_output.jsonl", "batch_output", output(),
                                      time.time(), expires, owner=owner)  # fmt: skip
@@ -431,6 +500,7 @@ def _finalize(
             "total": str(len(items) + int(record["invalid"])),
             "completed": str(completed),
             "failed": str(failed + int(record["invalid"])),
+            "usage": json.dumps({k: counts[k] for k in ("input", "output", "cached")}),
         }
         if written is not None:
             fields["output_file_id"] = written["id"]
@@ -443,9 +513,13 @@ def _finalize(
             fields["status"] = "failed"
         elif cancelled:
             fields.update(status="cancelled", cancelled_at=now)
+        elif expired:
+            fields.update(status="expired")
         else:
             fields.update(status="completed", completed_at=now)
-        batches.update(batch_id, fields)
+        status, store = fields["status"], batches.store
+        batches.end(batch_id, fields,
+                    lambda p: webhooks.add(p, store, status, batch_id, time.time()))  # fmt: skip
         batches.release_results(items)
         batches.retain(batch_id)
         current_app.logger.info(

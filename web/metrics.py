@@ -26,6 +26,7 @@ from jobs.store.scheduling import Store
 from jobs.store.telemetry import BUCKETS_MS
 from jobs.worker.stepclock import COUNTS, PARTS
 from scheduler.policy import priority_label
+from web import webhooks
 from web.tenants import caller
 
 __all__ = ["METRICS", "bp"]
@@ -64,6 +65,12 @@ METRICS = {
         "shown to admin keys only."
     ),
     "parkq_inter_token_latency_seconds": "Time between a job's consecutive tokens.",
+    "parkq_webhooks_pending": "Batch webhook events not yet acknowledged by their endpoint.",
+    "parkq_webhooks_delivered": "Batch webhook events their endpoint acknowledged (2xx).",
+    "parkq_webhook_attempts_failed": "Webhook deliveries that failed (each is tried again).",
+    "parkq_webhooks_dropped": (
+        "Webhook events given up after PARKQ_WEBHOOK_RETRY_SECONDS of failed attempts."
+    ),
 }
 _HISTOGRAMS = {
     "park_ms": "parkq_park_latency_seconds",
@@ -133,6 +140,12 @@ class RedisCollector(Collector):
             step.add_metric([part], counters.get(f"step_seconds:{part}", 0.0))
         yield step
         for what in COUNTS:
+            name = f"parkq_{what}"
+            yield CounterMetricFamily(name, METRICS[name], value=counters.get(what, 0))
+        yield GaugeMetricFamily(
+            "parkq_webhooks_pending", METRICS["parkq_webhooks_pending"], webhooks.pending(store)
+        )
+        for what in ("webhooks_delivered", "webhook_attempts_failed", "webhooks_dropped"):
             name = f"parkq_{what}"
             yield CounterMetricFamily(name, METRICS[name], value=counters.get(what, 0))
         for field, name in _HISTOGRAMS.items():

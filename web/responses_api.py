@@ -21,6 +21,7 @@ from typing import Any
 
 from flask import Blueprint, Response, jsonify, request, stream_with_context
 
+from jobs.engine.request import GenerationRequest
 from jobs.store.events import DONE, error_event
 from jobs.store.scheduling import Cancelled, JobEnded
 from scheduler.policy import tier_of
@@ -61,21 +62,9 @@ def create() -> Any:
     previous: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         previous = _conversation_after(req.previous_response_id)
-    items = _input_items(req)
-    conversation = previous + input_messages(items)
-    chat = _chat_request(req, body, conversation)
-    level = priority(chat)
-    try:
-        gen = chat_job(chat)
-    except BadRequest as exc:  # named as the Responses API names its fields
-        exc.param = _param(exc.param)
-        raise
-    tier = tier_of(level)
-    gen = replace(gen, background=req.background, service_tier=tier, include_usage=True)
     response_id = f"resp_{secrets.token_hex(24)}"
-    base = _base(response_id, req, gen.created, gen.model, tier)
-    kept = {"base": base, "input": _with_ids(response_id, items), "conversation": conversation}
-    extra = {"response": json.dumps(kept, separators=(",", ":"))}
+    gen, level, extra = response_job(req, body, response_id, previous)
+    base = json.loads(extra["response"])["base"]
     if req.background and not req.stream:
         submit("resp", gen, level, response_id=response_id, extra=extra)
         return jsonify(Translator(base, queued=True).response())
@@ -97,6 +86,57 @@ def create() -> Any:
 
 def _nothing() -> None:
     pass
+
+
+def response_job(
+    req: ResponsesRequest, body: dict[str, Any], response_id: str, previous: list[dict[str, Any]]
+) -> tuple[GenerationRequest, int, dict[str, str]]:
+    """The job of response ``response_id`` (continuing the ``previous`` messages),
+    its priority level, and the record fields that keep the response's own data."""
+    items = _input_items(req)
+    conversation = previous + input_messages(items)
+    chat = _chat_request(req, body, conversation)
+    level = priority(chat)
+    try:
+        gen = chat_job(chat)
+    except BadRequest as exc:  # named as the Responses API names its fields
+        exc.param = _param(exc.param)
+        raise
+    tier = tier_of(level)
+    gen = replace(gen, background=req.background, service_tier=tier, include_usage=True)
+    base = _base(response_id, req, gen.created, gen.model, tier)
+    kept = {"base": base, "input": _with_ids(response_id, items), "conversation": conversation}
+    return gen, level, {"response": json.dumps(kept, separators=(",", ":"))}
+
+
+def batch_line_job(body: dict[str, Any], job_id: str) -> tuple[GenerationRequest, dict[str, str]]:
+    """A ``/v1/responses`` batch line's job (``body``: the line's body, its
+    priority and stream already set) and the record fields it keeps; raises
+    :class:`BadRequest` as a request would. The response's id is the job's."""
+    req = parse(ResponsesRequest, body)
+    if req.previous_response_id is not None:
+        raise BadRequest("A batch line cannot continue a response: previous_response_id is "
+                         "not supported in a batch.", param="previous_response_id")  # fmt: skip
+    if req.background:
+        raise BadRequest("A batch line runs in the batch: background is not supported in a "
+                         "batch.", param="background")  # fmt: skip
+    gen, _, extra = response_job(req, body, batch_response_id(job_id), [])
+    return gen, extra
+
+
+def batch_response_id(job_id: str) -> str:
+    """The response id of a batch line's job (``batchreq_<hex>`` -> ``resp_<hex>``)."""
+    return "resp_" + job_id.split("_", 1)[1]
+
+
+def batch_result(job_id: str, record: dict[str, str]) -> dict[str, Any]:
+    """A finished batch line's response object, as the Responses API returns it."""
+    kept = json.loads(record["response"])
+    t = Translator(kept["base"], queued=False)
+    t.start()
+    for _, data in current().store.events_after(job_id, 0):
+        t.feed(data)
+    return {**t.response(), **_fingerprint(job_id)}
 
 
 def _input_items(req: ResponsesRequest) -> list[dict[str, Any]]:

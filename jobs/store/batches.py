@@ -15,11 +15,12 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.client import Pipeline
 
 from jobs.store.scheduling import Store
 from jobs.store.telemetry import as_text
@@ -264,21 +265,22 @@ class BatchStore:
     def create_batch(
         self,
         record: dict[str, str],
-        lines: list[tuple[str, str, str, dict[str, Any]]],
+        lines: list[tuple[str, str, str, dict[str, Any], dict[str, str]]],
         invalid: list[dict[str, Any]],
         now: float,
     ) -> None:
-        """Store a batch: ``lines`` are (job id, custom_id, kind, request) of its valid lines
-        (each becomes a pending job), ``invalid`` the error-file lines of the others."""
+        """Store a batch: ``lines`` are (job id, custom_id, kind, request, extra record
+        fields) of its valid lines (each becomes a pending job), ``invalid`` the
+        error-file lines of the others."""
         k = self.keys
         batch_id = record["id"]
         with self.r.pipeline(transaction=False) as p:
             for start in range(0, len(lines), 1000):
                 items, pending = [], []
-                for job_id, custom_id, kind, request in lines[start : start + 1000]:
+                for job_id, custom_id, kind, request, extra in lines[start : start + 1000]:
                     fields = self.store.job_fields(job_id, kind, request, BATCH_LEVEL, now,
                                                    record.get("owner", ""))  # fmt: skip
-                    fields.update(batch=batch_id, custom_id=custom_id)
+                    fields.update(extra, batch=batch_id, custom_id=custom_id)
                     p.hset(k.pending(job_id), mapping=fields)
                     items.append(json.dumps({"custom_id": custom_id, "job": job_id}))
                     pending.append(job_id)
@@ -332,6 +334,14 @@ class BatchStore:
 
     def update(self, batch_id: str, fields: dict[str, str]) -> None:
         self.r.hset(self.keys.batch(batch_id), mapping=fields)
+
+    def end(self, batch_id: str, fields: dict[str, str], also: Callable[[Pipeline], Any]) -> None:
+        """Write a batch's final ``fields`` and whatever ``also`` adds (its webhook
+        event) in one transaction: neither is written without the other."""
+        with self.r.pipeline(transaction=True) as p:
+            p.hset(self.keys.batch(batch_id), mapping=fields)
+            also(p)
+            p.execute()
 
     def list_ids(
         self, after: str | None, limit: int, owner: str | None = None
