@@ -108,6 +108,19 @@ class Keys:
         primary that restarted empty is not taken for the store. Bound: one key."""
         return f"{self.base}:store"
 
+    def bucket(self, tenant: str) -> str:
+        """Hash of one tenant's token bucket (``tokens``, ``at``): its
+        tokens_per_minute (scheduler/tenancy.py). Bound: one per tenant with a
+        rate, expiring once it would be full again."""
+        return f"{self.base}:bucket:{tenant}"
+
+    def usage(self, hour: int) -> str:
+        """Hash of one hour's usage (``hour``: its first second), fields
+        ``<tenant>|<what>``: prompt and completion tokens and requests of finished
+        jobs, tokens set aside by parks. Bound: expires PARKQ_USAGE_RETENTION_SECONDS
+        after its hour."""
+        return f"{self.base}:usage:{hour}"
+
     @property
     def webhooks_due(self) -> str:
         """Sorted set of webhook event ids scored by their next delivery attempt (a

@@ -8,9 +8,9 @@ command-line overrides, frozen, and passed down. Nothing else reads
 from __future__ import annotations
 
 import base64
+import functools
 import os
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,17 +20,21 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from scheduler.keys import Keys
 from scheduler.policy import Policy
 from scheduler.preempt import PreemptPolicy
+from scheduler.tenancy import NO_LIMITS, KeyPolicy, TenantKey, load_keys_file
 
 __all__ = ["ApiKey", "Settings", "cache_root", "data_root", "load_settings", "parse_keys"]
 
 
 @dataclass(frozen=True)
 class ApiKey:
-    """One entry of PARKQ_API_KEYS or PARKQ_ADMIN_KEYS: ``key`` or ``name:key``."""
+    """One key: an entry of PARKQ_API_KEYS or PARKQ_ADMIN_KEYS (``key`` or
+    ``name:key``), or of PARKQ_KEYS_FILE (scheduler/tenancy.py), with the limits
+    its tenant's requests meet."""
 
     secret: str
     name: str = ""
     admin: bool = False
+    policy: KeyPolicy = field(default=NO_LIMITS)
 
 
 def parse_keys(text: str | None, admin: bool = False) -> tuple[ApiKey, ...]:
@@ -184,6 +188,13 @@ class Settings(BaseSettings):
         "jobs, files and batches it created (keys under one name are one tenant: rotate a "
         "key by adding the new one under the same name).",
     )
+    keys_file: str | None = Field(
+        None,
+        description="A TOML file of tenants: their keys and the limits their requests meet "
+        "(the highest priority, tokens per minute, an upload quota; docs/operations.md, "
+        '"Tenants and their limits"). The keys of PARKQ_API_KEYS and PARKQ_ADMIN_KEYS '
+        "take its [defaults]. Read again when it changes.",
+    )
     admin_keys: str | None = Field(
         None,
         description="Comma-separated admin keys (`key` or `name:key`): they open every route "
@@ -296,6 +307,11 @@ class Settings(BaseSettings):
         description="How often `parkq web` compacts ended jobs and finalizes batches whose "
         "lines have all ended (without anyone reading them).",
     )
+    usage_retention_seconds: int = Field(
+        90 * 86400,
+        ge=3600,
+        description="How long each hour's usage per tenant (GET /v1/usage) is kept.",
+    )
     webhook_url: str | None = Field(
         None,
         description="Where batch webhooks go (`batch.completed`, `batch.failed`, "
@@ -368,6 +384,30 @@ class Settings(BaseSettings):
         parse_keys(v)  # a malformed entry stops the process at start, with the reason
         return v
 
+    @field_validator("keys_file")
+    @classmethod
+    def _keys_file(cls, v: str | None) -> str | None:
+        if v:
+            _read_keys_file(v)  # what is wrong with it stops the process at start
+        return v or None
+
+    @model_validator(mode="after")
+    def _keys_once(self) -> Settings:
+        entries = self.api_key_entries
+        secrets = [k.secret for k in entries]
+        if self.keys_file:
+            _, in_file = _read_keys_file(self.keys_file)
+            listed = {k.name for k in parse_keys(self.api_keys) + parse_keys(self.admin_keys)}
+            both = listed & {k.name for k in in_file}
+            if both:
+                raise ValueError(f"the tenant {sorted(both)[0]!r} is named both in "
+                                 "PARKQ_API_KEYS/PARKQ_ADMIN_KEYS and in PARKQ_KEYS_FILE: give "
+                                 "its keys in the file")  # fmt: skip
+        if len(secrets) != len(set(secrets)):
+            raise ValueError("an API key is given twice (PARKQ_API_KEYS, PARKQ_ADMIN_KEYS and "
+                             "PARKQ_KEYS_FILE together): each key opens one tenant")  # fmt: skip
+        return self
+
     @field_validator("webhook_url")
     @classmethod
     def _webhook_url(cls, v: str | None) -> str | None:
@@ -379,13 +419,18 @@ class Settings(BaseSettings):
     @classmethod
     def _webhook_secret(cls, v: str | None) -> str | None:
         if v:
-            body = v.removeprefix("whsec_")
+            # As the openai client reads it (webhooks.unwrap): `whsec_`, then padded
+            # base64, decoded strictly; it would refuse every signature otherwise.
             key = b""
-            if re.fullmatch(r"[A-Za-z0-9+/]+={0,2}", body):
-                key = base64.b64decode(body + "=" * (-len(body) % 4))
+            if v.startswith("whsec_"):
+                try:
+                    key = base64.b64decode(v.removeprefix("whsec_"), validate=True)
+                except ValueError:
+                    key = b""
             if len(key) < 16:
-                raise ValueError("PARKQ_WEBHOOK_SECRET must be `whsec_` and the base64 of 16 "
-                                 "bytes or more, as OpenAI's signing secrets are")  # fmt: skip
+                raise ValueError("PARKQ_WEBHOOK_SECRET must be `whsec_` and the padded "
+                                 "base64 of 16 bytes or more, as OpenAI's signing secrets "
+                                 "are")  # fmt: skip
         return v or None
 
     @model_validator(mode="after")
@@ -405,8 +450,13 @@ class Settings(BaseSettings):
 
     @property
     def api_key_entries(self) -> tuple[ApiKey, ...]:
-        """Every key that opens the API: the API keys, then the admin keys."""
-        return parse_keys(self.api_keys) + parse_keys(self.admin_keys, admin=True)
+        """Every key that opens the API: the API keys, the admin keys (both with
+        the keys file's defaults), then the keys file's."""
+        defaults, filed = _read_keys_file(self.keys_file) if self.keys_file else (NO_LIMITS, ())
+        listed = parse_keys(self.api_keys) + parse_keys(self.admin_keys, admin=True)
+        return tuple(replace(k, policy=defaults) for k in listed) + tuple(
+            ApiKey(secret=k.secret, name=k.name, admin=k.admin, policy=k.policy) for k in filed
+        )
 
     @property
     def api_key_list(self) -> tuple[str, ...]:
@@ -437,6 +487,21 @@ def data_root(data_dir: str | None) -> Path:
 def cache_root(cache_dir: str | None) -> Path:
     """The cache directory: ``cache_dir`` (PARKQ_CACHE_DIR), else ~/.cache/parkq."""
     return Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "parkq"
+
+
+def _read_keys_file(path: str) -> tuple[KeyPolicy, tuple[TenantKey, ...]]:
+    """The keys file, read again only when it changed (its size and time)."""
+    try:
+        st = Path(path).expanduser().stat()
+        stamp = (st.st_mtime_ns, st.st_size)
+    except OSError:
+        stamp = (0, 0)
+    return _keys_file_at(path, stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _keys_file_at(path: str, stamp: tuple[int, int]) -> tuple[KeyPolicy, tuple[TenantKey, ...]]:
+    return load_keys_file(path)
 
 
 def load_settings(**overrides: Any) -> Settings:

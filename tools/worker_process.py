@@ -17,6 +17,7 @@ from jobs.engine.kernels import (
     TILED_FLOOR,
     OpChoice,
     cpu_only_build,
+    cuda_device,
     exact_kernels,
     exact_prompts,
     invariant_batch_size,
@@ -60,10 +61,11 @@ def run_worker(settings: Settings) -> None:
             plan.reason,
         )
     assert settings.max_seqs is not None and settings.parked_seqs is not None
-    gpu = device_key(settings.n_gpu_layers) != "CPU"
-    if settings.exact and gpu:
+    device = device_key(settings.n_gpu_layers)
+    gpu, cuda = device != "CPU", cuda_device(device)
+    if settings.exact and cuda:
         # Before llama.cpp's first CUDA op here (it reads the switch once).
-        on, said = keep_cuda_invariant(gpu)
+        on, said = keep_cuda_invariant(cuda)
         (log.info if on else log.warning)("%s", said)
     kernels = worker_kernels(settings)
     log.info(
@@ -90,7 +92,7 @@ def run_worker(settings: Settings) -> None:
                         "K-quant product takes over from 8 columns", said)  # fmt: skip
     flash = False
     if settings.exact:
-        flash, said = keep_attention_unsplit(gpu)
+        flash, said = keep_attention_unsplit(gpu, cuda)
         unchecked = flash_unchecked(settings.model or "") if flash else []
         if unchecked:
             flash, said = False, ("flash attention off: the op check does not build this "

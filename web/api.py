@@ -16,6 +16,7 @@ from jobs.store.identity import ModelIdentity
 from jobs.store.scheduling import Cancelled, Ending, JobEnded, QueueFull
 from scheduler.policy import tier_of
 from scheduler.state import TERMINAL, JobState
+from web import limits
 from web.errors import (
     BadRequest,
     Conflict,
@@ -63,6 +64,28 @@ def submit(
     runtime = current()
     check_model(runtime)
     response_id = response_id or f"{prefix}-{secrets.token_hex(12)}"
+    # The tenant's token rate: its prompt and most output tokens, per choice.
+    who = caller()
+    rate = who.policy.tokens_per_minute
+    cost = (len(gen.prompt_ids) + gen.max_tokens) * n
+    limits.admit(runtime.store, who.tenant, rate, cost, time.time())
+    try:
+        _submit(response_id, gen, level, n, extra)
+    except Exception:
+        if rate:  # not queued: its tokens go back
+            limits.take(runtime.store, who.tenant, rate, -cost, time.time())
+        raise
+    if runtime.settings.preempt:
+        victim = runtime.store.maybe_preempt(time.time())
+        if victim is not None:
+            current_app.logger.info("job %s: preempting worker %s", response_id, victim)
+    return response_id
+
+
+def _submit(
+    response_id: str, gen: GenerationRequest, level: int, n: int, extra: dict[str, str] | None
+) -> None:
+    runtime = current()
     if n == 1:
         _enqueue(response_id, gen, level, extra)
     else:
@@ -82,11 +105,6 @@ def submit(
             for job_id in queued:
                 runtime.rq.canceled(job_id)
             raise
-    if runtime.settings.preempt:
-        victim = runtime.store.maybe_preempt(time.time())
-        if victim is not None:
-            current_app.logger.info("job %s: preempting worker %s", response_id, victim)
-    return response_id
 
 
 def choice_id(response_id: str, i: int) -> str:

@@ -101,12 +101,14 @@ def create_app(
     from web.metrics import bp as metrics_bp
     from web.openapi import bp as openapi_bp
     from web.responses_api import bp as responses_bp
+    from web.usage import bp as usage_bp
 
     app.register_blueprint(bp)
     app.register_blueprint(responses_bp)
     app.register_blueprint(files_bp)
     app.register_blueprint(batches_bp)
     app.register_blueprint(metrics_bp)
+    app.register_blueprint(usage_bp)
     app.register_blueprint(openapi_bp)
     app.register_blueprint(dashboard_bp)
     return app

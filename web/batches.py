@@ -21,7 +21,7 @@ from flask import Blueprint, current_app, jsonify, request
 from pydantic import BaseModel, ConfigDict, Field
 
 from jobs.engine.request import GenerationRequest
-from jobs.store.batches import BatchStore, Item, new_id
+from jobs.store.batches import BATCH_LEVEL, BatchStore, Item, new_id
 from jobs.store.events import DONE
 from jobs.store.scheduling import Cancelled
 from scheduler.state import JobState
@@ -166,6 +166,13 @@ def create_batch() -> Any:
     batch_id = new_id("batch")
     after = req.output_expires_after
     keep = {"output_expires_seconds": str(after.seconds)} if after else {}
+    # Its lines run at batch priority, or lower where the key's tenant is capped
+    # below it, and wait for the tenant's token rate (scheduler/tenancy.py).
+    policy = caller().policy
+    if policy.max_priority is not None and policy.max_priority < BATCH_LEVEL:
+        keep["level"] = str(policy.max_priority)
+    if policy.tokens_per_minute:
+        keep["tokens_per_minute"] = str(policy.tokens_per_minute)
     record = {
         "id": batch_id,
         "endpoint": req.endpoint,
@@ -177,6 +184,7 @@ def create_batch() -> Any:
         **keep,
         "invalid": "0",
         "errors": "[]",
+        "window_enforced": "1",  # (batches of earlier releases never expire)
         "status": "validating",
     }
     who = caller()
@@ -249,6 +257,8 @@ def _validate_lines(batches: BatchStore, batch_id: str) -> None:
         runtime.rq.create(job_id, f"batch {batch_id}: {kind} {len(gen_json['prompt_ids'])} tokens")
     now = time.time()
     owner = {"owner": record["owner"]} if record.get("owner") else {}
+    if record.get("level"):
+        owner["level"] = record["level"]  # its lines' level (a capped tenant's)
     batches.create_batch(
         {"id": batch_id, "invalid": str(len(invalid)), "errors": json.dumps(errors), **owner},
         lines,
@@ -304,12 +314,18 @@ def _batch_object(batches: BatchStore, batch_id: str) -> dict[str, Any]:
         _start_validation(batches, batch_id)  # again, if its validator died with its process
         total = completed = failed = 0
     else:
-        if status == "in_progress" and not record.get("expired_at"):
-            if time.time() >= int(record["expires_at"]):
-                _expire(batches, batch_id)
-            else:
-                batches.feed(batch_id)
+        # Past its window (a batch created since the window is enforced): its
+        # open lines stop. Checked after its counts: one whose lines have all
+        # ended is finalized as it is, not expired.
+        past = bool(record.get("expired_at")) or (
+            bool(record.get("window_enforced")) and time.time() >= int(record["expires_at"])
+        )
+        if status == "in_progress" and not past:
+            batches.feed(batch_id)
         counts, items, states = batches.counts(batch_id, int(record["invalid"]))
+        if status == "in_progress" and past and counts.open:
+            _expire(batches, batch_id, record)  # again after an interrupted one: idempotent
+            counts, items, states = batches.counts(batch_id, int(record["invalid"]))
         total, completed, failed = counts.total, counts.completed, counts.failed
         if counts.open == 0:
             _finalize(batches, batch_id, items, states)
@@ -347,7 +363,7 @@ def _batch_object(batches: BatchStore, batch_id: str) -> dict[str, Any]:
         "cancelled_at": ts("cancelled_at"),
         "request_counts": {"total": total, "completed": completed, "failed": failed},
         "metadata": json.loads(record.get("metadata") or "null"),
-        "usage": _usage(record) if "total" in record else None,
+        "usage": _usage(record) if "usage" in record else None,
     }
 
 
@@ -364,14 +380,17 @@ def _usage(record: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def _expire(batches: BatchStore, batch_id: str) -> None:
+def _expire(batches: BatchStore, batch_id: str, record: dict[str, str]) -> None:
     """The batch's completion window has passed: its lines not yet run never
     will, the running ones are cancelled, and once they have stopped it ends
-    ``expired`` (its completed lines' results in its output file)."""
+    ``expired`` (its completed lines' results in its output file). Marked
+    first (no line is fed after it), then stopped; a stop that was cut short
+    is done again by the next read (both steps are idempotent)."""
     runtime = current()
     now = time.time()
-    # Marked before anything stops: a read meanwhile sees it expiring, not failed.
-    if not batches.transition(batch_id, "in_progress", {"expired_at": str(int(now))}):
+    if not record.get("expired_at") and not batches.transition(
+        batch_id, "in_progress", {"expired_at": str(int(now))}
+    ):
         return  # it left in_progress meanwhile (cancelled, finalized)
     for job_id in batches.drop_pending(batch_id):
         runtime.rq.canceled(job_id)
@@ -379,8 +398,9 @@ def _expire(batches: BatchStore, batch_id: str) -> None:
         if outcome is Cancelled.CANCELLED:
             runtime.store.telemetry.count("jobs_cancelled")
             runtime.rq.canceled(job_id)
-    current_app.logger.info("batch %s: expired (its %s window passed)", batch_id,
-                            (batches.get(batch_id) or {}).get("completion_window"))  # fmt: skip
+    if not record.get("expired_at"):
+        current_app.logger.info("batch %s: expired (its %s window passed)", batch_id,
+                                record.get("completion_window"))  # fmt: skip
 
 
 def _result_line(batches: BatchStore, item: Item) -> tuple[dict[str, Any], Any]:
@@ -465,7 +485,9 @@ def _finalize(
         # (A finalization that died after marking the batch `finalizing` left its
         # cancel in `cancelling_at`.)
         cancelled = record["status"] == "cancelling" or bool(record.get("cancelling_at"))
-        expired = bool(record.get("expired_at")) and not cancelled
+        # Expired only if its window stopped a line (all of them finished: completed).
+        expired = (bool(record.get("expired_at")) and not cancelled
+                   and any(state != JobState.FINISHED for state in states))  # fmt: skip
         stopped = "cancelled" if cancelled else "expired" if expired else None
         now = str(int(time.time()))
         if record["status"] != "failed":  # a failed batch stays failed meanwhile
@@ -490,11 +512,12 @@ def _finalize(
                 yield "".join(piece).encode()
 
         keep = record.get("output_expires_seconds")
-        expires = int(time.time()) + (int(keep) if keep else
-                                      batches.settings.batch_retention_seconds)  # fmt: skip
+        written_at = time.time()  # both files' created_at: their expiry's anchor
+        expires = int(written_at) + (int(keep) if keep else
+                                     batches.settings.batch_retention_seconds)  # fmt: skip
         owner = record.get("owner", "")
         written = batches.write_file(f"{batch_id}_output.jsonl", "batch_output", output(),
-                                     time.time(), expires, owner=owner)  # fmt: skip
+                                     written_at, expires, owner=owner)  # fmt: skip
         completed, failed = counts["completed"], counts["failed"]
         fields = {
             "total": str(len(items) + int(record["invalid"])),
@@ -507,7 +530,7 @@ def _finalize(
         if err:
             content = "".join(json.dumps(x) + "\n" for x in err).encode()
             meta = batches.create_file(f"{batch_id}_error.jsonl", "batch_output", content,
-                                       time.time(), expires_at=expires, owner=owner)  # fmt: skip
+                                       written_at, expires_at=expires, owner=owner)  # fmt: skip
             fields["error_file_id"] = meta["id"]
         if record["status"] == "failed":
             fields["status"] = "failed"
@@ -518,8 +541,10 @@ def _finalize(
         else:
             fields.update(status="completed", completed_at=now)
         status, store = fields["status"], batches.store
-        batches.end(batch_id, fields,
-                    lambda p: webhooks.add(p, store, status, batch_id, time.time()))  # fmt: skip
+        if not batches.end(
+            batch_id, fields, lambda p: webhooks.add(p, store, status, batch_id, time.time())
+        ):
+            return  # another finalizer ended it first (its lock had lapsed)
         batches.release_results(items)
         batches.retain(batch_id)
         current_app.logger.info(

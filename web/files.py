@@ -76,13 +76,16 @@ def upload_file() -> Any:
         )
     settings = current().settings
     store = batch_store()
-    quota = settings.files_max_bytes
+    own = caller().policy.upload_bytes  # the keys file's, for this tenant
+    quota = own if own is not None else settings.files_max_bytes
     if quota:  # per tenant; the message names the caller's usage alone
         used = store.uploaded_bytes(caller().tenant)
         if used + len(content) > quota:
+            where = ("upload_bytes, this tenant's in PARKQ_KEYS_FILE" if own is not None
+                     else "PARKQ_FILES_MAX_BYTES, per API key")  # fmt: skip
             raise PayloadTooLarge(
                 f"Your uploaded files hold {used} of the {quota} bytes one tenant may keep "
-                f"(PARKQ_FILES_MAX_BYTES, per API key); this one ({len(content)} bytes) does "
+                f"({where}); this one ({len(content)} bytes) does "
                 "not fit. Delete files (DELETE /v1/files/<id>) or wait for them to expire.",
                 code="files_quota_exceeded",
             )

@@ -8,7 +8,7 @@ import secrets
 import time
 from typing import Any
 
-from flask import request
+from flask import g, has_request_context, request
 
 from jobs.engine.constraints import (
     GrammarError,
@@ -23,6 +23,7 @@ from scheduler.policy import SERVICE_TIERS, priority_level
 from web.errors import BadRequest, ContextLengthExceeded, ModelMismatch
 from web.runtime import Runtime, current
 from web.schemas import ChatRequest, CompletionRequest, _Common
+from web.tenants import caller
 
 __all__ = [
     "chat_job",
@@ -125,15 +126,34 @@ def _head(exc: Exception) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
+#: The response header that says a request runs at a lower priority than it
+#: asked for: ``<level it runs at>; requested=<level it asked for>``.
+CLAMPED_HEADER = "X-Parkq-Priority-Clamped"
+
+
 def priority(req: _Common) -> int:
     """The request's level: its ``priority`` where given, else its
-    ``service_tier``'s, else interactive."""
+    ``service_tier``'s, else interactive; at most its key's ``max_priority``
+    (scheduler/tenancy.py), and then the response says so (:data:`CLAMPED_HEADER`,
+    and the ``service_tier`` it echoes)."""
     if "priority" not in req.model_fields_set and req.service_tier is not None:
-        return SERVICE_TIERS[req.service_tier]
-    try:
-        return priority_level(req.priority)
-    except ValueError as exc:
-        raise BadRequest(str(exc), param="priority") from None
+        level = SERVICE_TIERS[req.service_tier]
+    else:
+        try:
+            level = priority_level(req.priority)
+        except ValueError as exc:
+            raise BadRequest(str(exc), param="priority") from None
+    cap = caller().policy.max_priority
+    if cap is not None and level > cap:
+        g.parkq_clamped = f"{cap}; requested={level}"
+        return cap
+    return level
+
+
+def clamped() -> str | None:
+    """What :func:`priority` clamped in this request, for :data:`CLAMPED_HEADER`."""
+    found: str | None = g.get("parkq_clamped") if has_request_context() else None
+    return found
 
 
 def _limit(prompt_tokens: int, asked: int | None, default: int | None) -> int:

@@ -27,7 +27,8 @@ from jobs.store.telemetry import BUCKETS_MS
 from jobs.worker.stepclock import COUNTS, PARTS
 from scheduler.policy import priority_label
 from web import webhooks
-from web.tenants import caller
+from web.tenants import caller, label_of
+from web.usage import tenant_totals
 
 __all__ = ["METRICS", "bp"]
 
@@ -65,6 +66,10 @@ METRICS = {
         "shown to admin keys only."
     ),
     "parkq_inter_token_latency_seconds": "Time between a job's consecutive tokens.",
+    "parkq_key_tokens": (
+        "Tokens by key name and kind: prompt and completion tokens of finished jobs, and "
+        "parked (the tokens a job had generated when it was parked); shown to admin keys only."
+    ),
     "parkq_webhooks_pending": "Batch webhook events not yet acknowledged by their endpoint.",
     "parkq_webhooks_delivered": "Batch webhook events their endpoint acknowledged (2xx).",
     "parkq_webhook_attempts_failed": "Webhook deliveries that failed (each is tried again).",
@@ -166,6 +171,15 @@ class RedisCollector(Collector):
                 if name.startswith("requests_by_key:"):
                     requests.add_metric([name.removeprefix("requests_by_key:")], value)
             yield requests
+            keys = current_app.extensions["parkq"].settings.api_key_entries
+            tokens = CounterMetricFamily(
+                "parkq_key_tokens", METRICS["parkq_key_tokens"], labels=["key", "kind"]
+            )
+            for tenant, used in sorted(tenant_totals(counters).items()):
+                for what, kind in (("prompt", "prompt"), ("completion", "completion"),
+                                   ("parked", "parked")):  # fmt: skip
+                    tokens.add_metric([label_of(keys, tenant), kind], used.get(what, 0.0))
+            yield tokens
 
     def _buckets(self, field: str) -> tuple[list[tuple[str, float]], float]:
         raw = self.store.telemetry.histogram(field)

@@ -238,7 +238,23 @@ def _generation_paths() -> dict[str, Any]:
                 "responses": _responses(_json(MODEL), "404"),
             }
         },
+        "/v1/usage": {
+            "get": {
+                "summary": "Tokens and requests per key name, in hourly or daily buckets",
+                "parameters": [
+                    {"name": "start_time", "in": "query", "schema": INT},
+                    {"name": "end_time", "in": "query", "schema": INT},
+                    {"name": "bucket_width", "in": "query", "schema": {"enum": ["1h", "1d"]}},
+                ],
+                "responses": _responses(_json(USAGE_PAGE)),
+            }
+        },
     }
+
+
+USAGE_PAGE = _obj("object", "data", "has_more", object={"const": "page"},
+                  data={"type": "array", "items": {"type": "object"}},
+                  has_more={"type": "boolean"})  # fmt: skip
 
 
 RESPONSE = _obj("id", "object", "created_at", "status", "model", "output",

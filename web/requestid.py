@@ -64,6 +64,11 @@ def init_app(app: Flask) -> None:
         rid = request_id()
         if rid:
             response.headers["x-request-id"] = rid
+        from web.intake import CLAMPED_HEADER, clamped
+
+        said = clamped()
+        if said:
+            response.headers[CLAMPED_HEADER] = said
         return response
 
     _tag_records()

@@ -13,13 +13,24 @@ Records written before keys were set have no owner: only admin keys see them.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flask import g, has_request_context
 
 from scheduler.settings import ApiKey
+from scheduler.tenancy import NO_LIMITS, KeyPolicy
 
-__all__ = ["NOBODY", "OPEN", "Caller", "caller", "caller_of", "sees", "tenant_of"]
+__all__ = [
+    "NOBODY",
+    "OPEN",
+    "Caller",
+    "caller",
+    "caller_of",
+    "label_of",
+    "policy_of",
+    "sees",
+    "tenant_of",
+]
 
 
 @dataclass(frozen=True)
@@ -31,6 +42,8 @@ class Caller:
     label: str
     #: Sees every tenant's jobs, files and batches.
     admin: bool
+    #: The limits its requests meet (scheduler/tenancy.py).
+    policy: KeyPolicy = field(default=NO_LIMITS)
 
 
 #: Without API keys (and outside any request: the janitor, a batch's thread).
@@ -47,7 +60,28 @@ def tenant_of(key: ApiKey) -> str:
 
 def caller_of(key: ApiKey) -> Caller:
     tenant = tenant_of(key)
-    return Caller(tenant=tenant, label=key.name or f"key-{tenant[:8]}", admin=key.admin)
+    return Caller(tenant=tenant, label=key.name or f"key-{tenant[:8]}", admin=key.admin,
+                  policy=key.policy)  # fmt: skip
+
+
+def policy_of(keys: tuple[ApiKey, ...], tenant: str) -> KeyPolicy:
+    """The limits of ``tenant``'s keys (work done outside its requests: a batch's
+    lines, queued by whichever process moves the batch on)."""
+    for key in keys:
+        if tenant and tenant_of(key) == tenant:
+            return key.policy
+    return NO_LIMITS
+
+
+def label_of(keys: tuple[ApiKey, ...], tenant: str) -> str:
+    """``tenant``'s name for metrics and usage (``key-<8 hex>`` for an unnamed
+    key; ``tenant-<8 hex>`` for one no key opens now; '' without keys)."""
+    if not tenant:
+        return ""
+    for key in keys:
+        if tenant_of(key) == tenant:
+            return key.name or f"key-{tenant[:8]}"
+    return f"tenant-{tenant[:8]}"
 
 
 def caller() -> Caller:

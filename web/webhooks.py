@@ -48,7 +48,7 @@ EVENT_TYPES = {
 LEASE_SECONDS = 60.0
 #: One attempt's longest wait for the endpoint's answer.
 TIMEOUT_SECONDS = 10.0
-#: Events one claim takes.
+#: Events one round tries, one claim each (a claim outlives its one attempt).
 CLAIM = 16
 #: The longest pause between two attempts of one event.
 MAX_BACKOFF_SECONDS = 3600.0
@@ -60,6 +60,18 @@ for _, id in ipairs(ids) do
   redis.call('ZADD', KEYS[1], ARGV[2], id)
 end
 return ids
+"""
+
+# A failed attempt, written only while the event is still there (another sender
+# that took it after a lapsed claim may have delivered it meanwhile).
+_RETRY = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'attempts', ARGV[2], 'last_error', ARGV[3])
+redis.call('ZADD', KEYS[2], 'XX', ARGV[4], ARGV[1])
+redis.call('HINCRBY', KEYS[3], 'webhook_attempts_failed', 1)
+return 1
 """
 
 
@@ -109,6 +121,7 @@ class Sender:
         self.url = settings.webhook_url
         self.signer = Webhook(settings.webhook_secret)
         self._claim = store.r.register_script(_CLAIM)
+        self._retry = store.r.register_script(_RETRY)
         self.http = requests.Session()
 
     def start(self) -> threading.Thread:
@@ -134,15 +147,18 @@ class Sender:
                 time.sleep(self.poll_seconds * 2**failures)
 
     def once(self, now: float | None = None) -> int:
-        """Claim the due events and try each once; how many were tried."""
-        now = time.time() if now is None else now
+        """Claim due events one at a time (each claim outlives its one attempt)
+        and try each once, up to :data:`CLAIM`; how many were tried."""
         k = self.store.keys
-        ids = [as_text(x) for x in self._claim(keys=[k.webhooks_due],
-                                               args=[repr(now), repr(now + LEASE_SECONDS),
-                                                     CLAIM])]  # fmt: skip
-        for event_id in ids:
-            self._attempt(event_id)
-        return len(ids)
+        tried = 0
+        while tried < CLAIM:
+            at = time.time() if now is None else now
+            got = self._claim(keys=[k.webhooks_due], args=[repr(at), repr(at + LEASE_SECONDS), 1])
+            if not got:
+                break
+            self._attempt(as_text(got[0]))
+            tried += 1
+        return tried
 
     def _attempt(self, event_id: str) -> None:
         k, r = self.store.keys, self.store.r
@@ -175,11 +191,8 @@ class Sender:
                       fields.get("type"), attempts, now - created, error)  # fmt: skip
             return
         wait = backoff(attempts, self.settings.webhook_backoff_seconds)
-        with r.pipeline() as p:
-            p.hset(k.webhook(event_id), mapping={"attempts": str(attempts), "last_error": error})
-            p.zadd(k.webhooks_due, {event_id: now + wait}, xx=True)
-            p.hincrby(k.counters, "webhook_attempts_failed", 1)
-            p.execute()
+        self._retry(keys=[k.webhook(event_id), k.webhooks_due, k.counters],
+                    args=[event_id, attempts, error, repr(now + wait)])  # fmt: skip
         log.warning("webhook %s (%s) attempt %d failed (%s); next in %.0f s", event_id,
                     fields.get("type"), attempts, error, wait)  # fmt: skip
 

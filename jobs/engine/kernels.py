@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +43,7 @@ __all__ = [
     "OpChoice",
     "choose_kernels",
     "cpu_only_build",
+    "cuda_device",
     "exact_kernels",
     "exact_prompts",
     "invariant_batch_size",
@@ -333,27 +335,43 @@ CUDA_INVARIANT_SWITCH = "GGML_CUDA_BATCH_INVARIANT"
 CUDA_INVARIANT_PATCH = 5
 
 
-def keep_cuda_invariant(gpu: bool) -> tuple[bool, str]:
-    """On a GPU with parkq's llama.cpp, set :data:`CUDA_INVARIANT_SWITCH` (before
-    llama.cpp's first CUDA op in this process; the check's child inherits it),
-    unless the operator set it off. Whether it is on, and what to say (for the
-    log). The per-op check still decides the width: the switch makes kernels
-    agree, the check proves it on the card."""
-    if not gpu:
+def cuda_device(device: str) -> bool:
+    """Whether ``device`` (:func:`jobs.engine.llama.device_key`) runs on
+    llama.cpp's CUDA backend (NVIDIA's CUDA, or AMD's ROCm through it): the
+    backend that reads :data:`CUDA_INVARIANT_SWITCH`."""
+    return "CUDA" in device or "ROCm" in device
+
+
+def _switch_on(value: str | None) -> bool:
+    """A switch's value as llama.cpp reads it (``atoi(value) != 0``)."""
+    match = re.match(r"\s*[+-]?\d+", value or "")
+    return bool(match) and int(match.group()) != 0  # type: ignore[union-attr]
+
+
+def keep_cuda_invariant(cuda: bool) -> tuple[bool, str]:
+    """On llama.cpp's CUDA backend with parkq's build, set
+    :data:`CUDA_INVARIANT_SWITCH` (before llama.cpp's first CUDA op in this
+    process, which reads it once; the check's child inherits it), unless the
+    operator set it off. Whether it is on, and what to say (for the log). The
+    per-op check still decides the width: the switch makes kernels agree, the
+    check proves it on the card."""
+    if not cuda:
         return False, ""
     if patch_level() < CUDA_INVARIANT_PATCH:
         return False, (f"this llama.cpp has no {CUDA_INVARIANT_SWITCH} (python -m "
                        "tools.llamapatch ensure): CUDA chooses its kernels by the number of "
                        "sequences in a call")  # fmt: skip
     given = os.environ.get(CUDA_INVARIANT_SWITCH)
-    if given is not None and given.strip() != "1":
+    if given is not None and not _switch_on(given):
         return False, f"{CUDA_INVARIANT_SWITCH}={given}, the operator's"
-    os.environ[CUDA_INVARIANT_SWITCH] = "1"
-    return True, (f"{CUDA_INVARIANT_SWITCH}=1: one CUDA kernel and one split of each sum "
-                  "for every width and KV length")  # fmt: skip
+    if given is None:
+        os.environ[CUDA_INVARIANT_SWITCH] = "1"
+    return True, (f"{CUDA_INVARIANT_SWITCH}={os.environ[CUDA_INVARIANT_SWITCH]}: one CUDA "
+                  "kernel and one split of each sum for every width and KV length, where "
+                  "the switch reaches (the op check names what it does not)")  # fmt: skip
 
 
-def keep_attention_unsplit(gpu: bool) -> tuple[bool, str]:
+def keep_attention_unsplit(gpu: bool, cuda: bool = True) -> tuple[bool, str]:
     """Whether an exact worker may run flash attention: on a CPU with parkq's
     llama.cpp, whose switch turns off the split of a lone sequence's KV cells
     across threads (set here before llama.cpp's first attention in this
@@ -363,7 +381,8 @@ def keep_attention_unsplit(gpu: bool) -> tuple[bool, str]:
     on a stock build, and not where the operator set a switch otherwise. The
     per-op check still has the last word. Whether, and why (for the log)."""
     if gpu:
-        if os.environ.get(CUDA_INVARIANT_SWITCH) == "1" and patch_level() >= CUDA_INVARIANT_PATCH:
+        on = _switch_on(os.environ.get(CUDA_INVARIANT_SWITCH))
+        if cuda and on and patch_level() >= CUDA_INVARIANT_PATCH:
             return True, (f"flash attention on, {CUDA_INVARIANT_SWITCH}=1 (one kernel and a "
                           "fixed split of each sequence's cells)")  # fmt: skip
         return False, "flash attention off: exact mode on this GPU build keeps the plain attention"
@@ -384,12 +403,13 @@ def worker_attention(settings: Settings) -> bool:
     says when not)."""
     from jobs.engine.llama import device_key
 
-    on_gpu = device_key(settings.n_gpu_layers) != "CPU"
+    device = device_key(settings.n_gpu_layers)
+    on_gpu = device != "CPU"
     if not settings.exact:
         return not on_gpu
     if on_gpu:
-        return (patch_level() >= CUDA_INVARIANT_PATCH
-                and os.environ.get(CUDA_INVARIANT_SWITCH, "1") == "1")  # fmt: skip
+        return (cuda_device(device) and patch_level() >= CUDA_INVARIANT_PATCH
+                and _switch_on(os.environ.get(CUDA_INVARIANT_SWITCH, "1")))  # fmt: skip
     return patch_level() >= 2 and os.environ.get(FA_SPLIT_SWITCH, "0") == "0"
 
 

@@ -277,10 +277,12 @@ class BatchStore:
         with self.r.pipeline(transaction=False) as p:
             for start in range(0, len(lines), 1000):
                 items, pending = [], []
+                level = int(record.get("level", BATCH_LEVEL))
                 for job_id, custom_id, kind, request, extra in lines[start : start + 1000]:
-                    fields = self.store.job_fields(job_id, kind, request, BATCH_LEVEL, now,
+                    fields = self.store.job_fields(job_id, kind, request, level, now,
                                                    record.get("owner", ""))  # fmt: skip
-                    fields.update(extra, batch=batch_id, custom_id=custom_id)
+                    cost = len(request.get("prompt_ids", ())) + int(request.get("max_tokens", 0))
+                    fields.update(extra, batch=batch_id, custom_id=custom_id, cost=str(cost))
                     p.hset(k.pending(job_id), mapping=fields)
                     items.append(json.dumps({"custom_id": custom_id, "job": job_id}))
                     pending.append(job_id)
@@ -335,13 +337,25 @@ class BatchStore:
     def update(self, batch_id: str, fields: dict[str, str]) -> None:
         self.r.hset(self.keys.batch(batch_id), mapping=fields)
 
-    def end(self, batch_id: str, fields: dict[str, str], also: Callable[[Pipeline], Any]) -> None:
+    def end(self, batch_id: str, fields: dict[str, str], also: Callable[[Pipeline], Any]) -> bool:
         """Write a batch's final ``fields`` and whatever ``also`` adds (its webhook
-        event) in one transaction: neither is written without the other."""
-        with self.r.pipeline(transaction=True) as p:
-            p.hset(self.keys.batch(batch_id), mapping=fields)
-            also(p)
-            p.execute()
+        event) in one transaction, neither without the other, unless it has ended
+        already (a finalizer whose lock lapsed meanwhile): whether this ended it."""
+        key = self.keys.batch(batch_id)
+        with self.r.pipeline() as p:
+            while True:
+                try:
+                    p.watch(key)
+                    if p.hexists(key, "total"):
+                        p.unwatch()
+                        return False
+                    p.multi()
+                    p.hset(key, mapping=fields)
+                    also(p)
+                    p.execute()
+                    return True
+                except redis.WatchError:
+                    continue
 
     def list_ids(
         self, after: str | None, limit: int, owner: str | None = None
@@ -378,11 +392,14 @@ class BatchStore:
             p.execute()
 
     def feed(self, batch_id: str, now: float | None = None) -> int:
-        """Top the batch's window up from its pending lines; how many were queued."""
+        """Top the batch's window up from its pending lines (at the level and
+        token rate its tenant had when it was created); how many were queued."""
         now = time.time() if now is None else now
-        fed = self.store.feed_batch(
-            batch_id, self.settings.batch_window, self.store.policy.score(BATCH_LEVEL, now), now
-        )
+        owner, level, rate = self.r.hmget(self.keys.batch(batch_id), "owner", "level",
+                                          "tokens_per_minute")  # fmt: skip
+        score = self.store.policy.score(int(level) if level else BATCH_LEVEL, now)
+        fed = self.store.feed_batch(batch_id, self.settings.batch_window, score, now,
+                                    as_text(owner or b""), int(rate or 0))  # fmt: skip
         return int(fed)
 
     def items(self, batch_id: str) -> Iterator[Item]:

@@ -402,14 +402,31 @@ class Store:
                 continue
         return out
 
-    def feed_batch(self, batch_id: str, window: int, score: float, now: float) -> int:
+    def feed_batch(self, batch_id: str, window: int, score: float, now: float,
+                   owner: str = "", per_minute: int = 0) -> int:  # fmt: skip
         """Queue a batch's pending lines (at ``score``) until ``window`` of them
-        are live; how many were queued."""
+        are live, each as far as its tenant ``owner``'s token bucket takes it
+        (``per_minute``: its rate; 0: none); how many were queued."""
         k = self.keys
         fed = self._run(
             "feed",
-            [k.batch(batch_id), k.batch_pending(batch_id), k.batch_live(batch_id), k.queue, k.wake],
-            [repr(now), k.job_prefix, window, repr(score), _states(*LIVE), k.pending_prefix],
+            [
+                k.batch(batch_id),
+                k.batch_pending(batch_id),
+                k.batch_live(batch_id),
+                k.queue,
+                k.wake,
+                k.bucket(owner),
+            ],
+            [
+                repr(now),
+                k.job_prefix,
+                window,
+                repr(score),
+                _states(*LIVE),
+                k.pending_prefix,
+                per_minute,
+            ],
         )
         return int(fed)
 
@@ -731,9 +748,17 @@ class Store:
         """Move a job to a terminal state with its last events."""
         k = self.keys
         flat = [x for kv in fields.items() for x in kv]
+        hour = int(now // 3600) * 3600
         got = self._run(
             "finish",
-            [k.job(job_id), k.events(job_id), k.worker(worker), k.running, k.counters],
+            [
+                k.job(job_id),
+                k.events(job_id),
+                k.worker(worker),
+                k.running,
+                k.counters,
+                k.usage(hour),
+            ],
             [
                 exec_token,
                 k.channel(job_id),
@@ -745,6 +770,7 @@ class Store:
                 first_seq,
                 len(fields),
                 *flat,
+                self.settings.usage_retention_seconds + 3600,
                 *payloads,
             ],
         )
@@ -773,7 +799,16 @@ class Store:
         k = self.keys
         result = self._run(
             "park",
-            [k.job(job_id), k.queue, k.worker(worker), k.running, k.wake, k.events(job_id)],
+            [
+                k.job(job_id),
+                k.queue,
+                k.worker(worker),
+                k.running,
+                k.wake,
+                k.events(job_id),
+                k.counters,
+                k.usage(int(now // 3600) * 3600),
+            ],
             [
                 exec_token,
                 repr(now),
@@ -782,6 +817,7 @@ class Store:
                 k.channel(job_id),
                 self.result_ttl,
                 (holder or worker) if keeps_kv else "",
+                self.settings.usage_retention_seconds + 3600,
                 *CANCEL_EVENTS,
             ],
         )

@@ -2,9 +2,14 @@
 -- that have ended, then enqueue pending lines until the window is full. Any
 -- process may call it at any time (it is idempotent), so a batch moves on
 -- whoever ended its last job.
--- KEYS: batch hash, pending list, live set, queue zset, wake list
--- ARGV: now, job key prefix, window, score for now, live states (csv), pending prefix
-if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress' then
+-- A line whose tenant's token bucket cannot take its cost (its prompt and most
+-- output tokens) waits at the head of the batch, and the lines behind it too.
+-- KEYS: batch hash, pending list, live set, queue zset, wake list, the tenant's
+--       token bucket
+-- ARGV: now, job key prefix, window, score for now, live states (csv), pending
+--       prefix, the tenant's tokens per minute (0: no limit)
+if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress'
+    or redis.call('HEXISTS', KEYS[1], 'expired_at') == 1 then  -- (past its window)
   return 0
 end
 local live_states = state_set(ARGV[5])
@@ -19,9 +24,15 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
 end
 local fed = 0
 local window = tonumber(ARGV[3])
+local rate_min = tonumber(ARGV[7] or '0') or 0
 while n < window do
-  local id = redis.call('LPOP', KEYS[2])
+  local id = redis.call('LINDEX', KEYS[2], 0)
   if not id then break end
+  if rate_min > 0 then
+    local cost = tonumber(redis.call('HGET', ARGV[6] .. id, 'cost') or '0') or 0
+    if take_tokens(KEYS[6], tonumber(ARGV[1]), rate_min, cost) > 0 then break end
+  end
+  redis.call('LPOP', KEYS[2])
   local job = ARGV[2] .. id
   redis.call('RENAME', ARGV[6] .. id, job)
   redis.call('HSET', job, 'created_at', ARGV[1], 'enqueued_at', ARGV[1], 'score', ARGV[4])

@@ -1,9 +1,12 @@
 -- End a job's execution in a terminal state, with its last events.
--- KEYS: job hash, events stream, worker hash, running zset, counters hash
+-- A finished job's usage (its `usage` field) is counted for its tenant.
+-- KEYS: job hash, events stream, worker hash, running zset, counters hash,
+--       this hour's usage hash
 -- ARGV: execution token, channel, target state, allowed source states
 --       (comma separated), now, ttl, worker name, sequence number of the first
 --       payload (0: right after the stream's last event), number of
---       field/value pairs N, N field/value pairs, payloads.
+--       field/value pairs N, N field/value pairs, then (after the pairs) the
+--       usage hash's ttl, then payloads.
 -- Returns -1 when the execution token is stale, -2 when the job's state does
 -- not allow the transition, {-3, n} when a replayed event n differs from the
 -- stored one (the job is left as it was), {-4, n} when the stream holds only n
@@ -16,7 +19,8 @@ if not state_set(ARGV[4])[redis.call('HGET', KEYS[1], 'state')] then
   return -2
 end
 local n = tonumber(ARGV[9])
-local _, diverged = emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[8]), 10 + 2 * n)
+local usage_ttl = tonumber(ARGV[10 + 2 * n])
+local _, diverged = emit_numbered(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[8]), 11 + 2 * n)
 if diverged > 0 then
   return {-3, diverged}
 elseif diverged < 0 then
@@ -29,6 +33,15 @@ end
 local tokens_after = tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
 if tokens_after > tokens_before then
   redis.call('HINCRBY', KEYS[5], 'tokens', tokens_after - tokens_before)
+end
+if ARGV[3] == S.finished and KEYS[6] then
+  local ok, u = pcall(cjson.decode, redis.call('HGET', KEYS[1], 'usage') or 'null')
+  if ok and type(u) == 'table' then
+    count_usage(KEYS[6], KEYS[5], KEYS[1], 'prompt', tonumber(u['prompt_tokens']), usage_ttl)
+    count_usage(KEYS[6], KEYS[5], KEYS[1], 'completion', tonumber(u['completion_tokens']),
+                usage_ttl)
+    count_usage(KEYS[6], KEYS[5], KEYS[1], 'requests', 1, usage_ttl)
+  end
 end
 end_job(KEYS[1], KEYS[2], ARGV[3], ARGV[5], ARGV[6])
 release_worker(KEYS[3], KEYS[4], ARGV[7], ARGV[1])

@@ -99,3 +99,35 @@ local function release_worker(worker, running, name, exec)
   end
 end
 
+
+-- A tenant's token bucket (web/limits.py): a minute's worth at `rate_min` tokens
+-- per minute, refilled continuously. Takes `cost` if the bucket holds it (or is
+-- full: a request larger than a minute's worth takes it below zero) and
+-- returns 0; else takes nothing and returns the seconds until it would fit.
+local function take_tokens(key, now, rate_min, cost)
+  local cap, rate = rate_min, rate_min / 60.0
+  local got = redis.call('HMGET', key, 'tokens', 'at')
+  local tokens = tonumber(got[1]) or cap
+  local at = tonumber(got[2]) or now
+  tokens = math.min(cap, tokens + math.max(0, now - at) * rate)
+  local need = math.min(cost, cap)
+  local wait = 0
+  if tokens >= need then
+    tokens = tokens - cost
+  else
+    wait = (need - tokens) / rate
+  end
+  redis.call('HSET', key, 'tokens', tostring(tokens), 'at', tostring(now))
+  redis.call('EXPIRE', key, math.ceil(math.max(0, cap - tokens) / rate) + 60)
+  return wait
+end
+
+-- Count a tenant's usage (web/usage.py): `what` += n in its hour's hash (kept
+-- `ttl` seconds) and in the all-time counters.
+local function count_usage(hour, counters, job, what, n, ttl)
+  if n == nil or n <= 0 then return end
+  local who = redis.call('HGET', job, 'owner') or ''
+  redis.call('HINCRBY', hour, who .. '|' .. what, n)
+  redis.call('EXPIRE', hour, ttl)
+  redis.call('HINCRBY', counters, 'usage|' .. who .. '|' .. what, n)
+end

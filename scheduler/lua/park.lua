@@ -1,10 +1,13 @@
 -- Park a running job: save its generation state, put it back in the queue
 -- with its original score (it keeps the age it earned), free the worker.
 -- A cancel that arrived while it was parking wins: the job ends cancelled.
--- KEYS: job hash, queue zset, worker hash, running zset, wake list, events stream
+-- A park counts, for the job's tenant, one park and the tokens it had generated.
+-- KEYS: job hash, queue zset, worker hash, running zset, wake list, events stream,
+--       counters hash, this hour's usage hash (web/usage.py)
 -- ARGV: execution token, now, checkpoint (JSON), worker name, channel, ttl,
 --       the checkpoint's holder (the worker's process; '' when it keeps no
---       KV: the job resumes by replay anywhere), cancel payloads...
+--       KV: the job resumes by replay anywhere), the usage hash's ttl, cancel
+--       payloads...
 -- Returns -1 when the execution token is stale, {-4, n} when the checkpoint
 -- counts more events than the stream's n (writes lost in a failover: nothing
 -- is written; the job is replayed), else 'parked' or 'cancelled'.
@@ -18,7 +21,7 @@ if ok and type(saved) == 'table' and tonumber(saved['events'] or 0) > have then
 end
 release_worker(KEYS[3], KEYS[4], ARGV[4], ARGV[1])
 if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then
-  emit_after(KEYS[1], KEYS[6], ARGV[5], 8)
+  emit_after(KEYS[1], KEYS[6], ARGV[5], 9)
   redis.call('HSET', KEYS[1], 'finish_reason', 'cancelled')
   end_job(KEYS[1], KEYS[6], S.cancelled, ARGV[2], ARGV[6])
   return S.cancelled
@@ -28,6 +31,12 @@ if redis.call('HGET', KEYS[1], 'state') ~= S.parked then  -- (not a repeat of th
   -- How long it has run: what a replay elsewhere (token by token) would cost.
   local resumed = tonumber(redis.call('HGET', KEYS[1], 'resumed_at') or ARGV[2])
   redis.call('HINCRBYFLOAT', KEYS[1], 'run_seconds', math.max(0, tonumber(ARGV[2]) - resumed))
+  if KEYS[8] then  -- the tenant's usage: a park, and the tokens it set aside
+    local ttl = tonumber(ARGV[8])
+    local tokens = tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
+    count_usage(KEYS[8], KEYS[7], KEYS[1], 'parks', 1, ttl)
+    count_usage(KEYS[8], KEYS[7], KEYS[1], 'parked', tokens, ttl)
+  end
 end
 move(KEYS[1], S.parking)  -- (a no-op when the step already marked it)
 move(KEYS[1], S.parked)

@@ -256,10 +256,13 @@ def test_responses_as_a_batch_endpoint_give_what_the_api_gives(
     assert out.expires_at is not None and out.expires_at - out.created_at == 7200
 
 
+@pytest.mark.parametrize("how", ["window", "stop cut short"])
 def test_a_batch_past_its_completion_window_expires_keeping_what_it_finished(
     client: openai.OpenAI, cluster: Cluster, receiver: Receiver, redis_server: Any,
-    tmp_path: Path,
+    tmp_path: Path, how: str,
 ) -> None:  # fmt: skip
+    """``window``: its expires_at passes. ``stop cut short``: a process marked it
+    expired and died before stopping its lines: the next read stops them."""
     lines = [_chat("quick", "Hello", max_tokens=4)]
     lines += [_chat(f"slow-{i}", "x", max_tokens=4000, ignore_eos=True) for i in range(12)]
     batch = _batch(client, tmp_path, lines, "/v1/chat/completions")
@@ -271,7 +274,10 @@ def test_a_batch_past_its_completion_window_expires_keeping_what_it_finished(
         return bool(job_ids) and r.hget("{" + PREFIX + "}:job:" + job_ids[0], "state") == "finished"
 
     wait_until(quick_done, timeout=60)
-    r.hset(key, "expires_at", str(int(time.time()) - 1))  # its window has passed
+    if how == "window":
+        r.hset(key, "expires_at", str(int(time.time()) - 1))  # its window has passed
+    else:
+        r.hset(key, "expired_at", str(int(time.time())))  # marked, nothing stopped
     done = _ended(client, batch.id, timeout=60)
     assert done.status == "expired" and done.expired_at is not None
     assert done.completed_at is None
@@ -290,3 +296,18 @@ def test_a_batch_past_its_completion_window_expires_keeping_what_it_finished(
     # The engine is free again: nothing of the batch still runs.
     left = [j for j in r.zrange("{" + PREFIX + "}:queue", 0, -1)]
     assert left == []
+
+
+def test_a_batch_of_an_earlier_release_runs_on_past_its_window(
+    client: openai.OpenAI, redis_server: Any, tmp_path: Path
+) -> None:
+    """Its window was not enforced when it was created: an upgrade does not expire it."""
+    lines = [_chat(f"old-{i}", "x", max_tokens=300, ignore_eos=True) for i in range(6)]
+    batch = _batch(client, tmp_path, lines, "/v1/chat/completions")
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    key = "{" + PREFIX + "}:batch:" + batch.id
+    r.hdel(key, "window_enforced")  # as a batch created by an earlier release
+    r.hset(key, "expires_at", str(int(time.time()) - 1))
+    done = _ended(client, batch.id)
+    assert done.status == "completed" and done.request_counts is not None
+    assert done.request_counts.completed == 6

@@ -76,9 +76,29 @@ def test_the_benchmark_peer_gets_the_attention_a_gpu_worker_runs(
 ) -> None:
     from jobs.engine import llama
 
-    level.setattr(llama, "device_key", lambda n_gpu_layers: "CUDA0 NVIDIA H100")
+    level.setattr(llama, "device_key", lambda n_gpu_layers: "CUDA0 (NVIDIA H100, 80 GiB)")
     level.setattr(kernels, "patch_level", lambda: level_)
     if switch is not None:
         level.setenv(CUDA_INVARIANT_SWITCH, switch)
     settings = Settings(model="m.gguf", exact=exact)
     assert worker_attention(settings) is flash
+
+
+def test_a_switch_value_counts_as_llama_cpp_reads_it(level: pytest.MonkeyPatch) -> None:
+    """``atoi(value) != 0``: '2' is on (and kept), 'off' is off."""
+    level.setenv(CUDA_INVARIANT_SWITCH, "2")
+    assert keep_cuda_invariant(True)[0] and os.environ[CUDA_INVARIANT_SWITCH] == "2"
+    assert keep_attention_unsplit(True)[0]
+    level.setenv(CUDA_INVARIANT_SWITCH, "off")
+    assert not keep_cuda_invariant(True)[0]
+
+
+def test_flash_attention_stays_off_on_a_gpu_the_switch_does_not_reach(
+    level: pytest.MonkeyPatch,
+) -> None:
+    level.setenv(CUDA_INVARIANT_SWITCH, "1")  # set by hand on, say, a Vulkan device
+    assert not keep_attention_unsplit(True, cuda=False)[0]
+    from jobs.engine import llama
+
+    level.setattr(llama, "device_key", lambda n_gpu_layers: "Vulkan0 (AMD Radeon, 16 GiB)")
+    assert worker_attention(Settings(model="m.gguf")) is False

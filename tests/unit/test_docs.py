@@ -173,7 +173,7 @@ def test_the_metrics_table_lists_what_metrics_serves(
     text = (ROOT / "docs" / "operations.md").read_text()
     table = text[text.index("## Metrics") :]
     table = table[: table.index("\n## ")]
-    documented = set(re.findall(r"^\| `(parkq_\w+?)(?:\{\w+\})?` \|", table, re.M))
+    documented = set(re.findall(r"^\| `(parkq_\w+?)(?:\{[\w,]+\})?` \|", table, re.M))
     served = {re.sub(r"_total$", "", s) for s in served}
     documented = {re.sub(r"_total$", "", d) for d in documented}
     assert documented == served

@@ -98,6 +98,12 @@ def test_a_claimed_event_is_not_taken_by_another_sender_within_its_lease(
         ({"webhook_url": "ftp://x/hook", "webhook_secret": SECRET}, "http:// or https://"),
         ({"webhook_secret": "whsec_not base64!"}, "base64 of 16"),
         ({"webhook_secret": "whsec_" + base64.b64encode(b"short").decode()}, "base64 of 16"),
+        # What the openai client cannot verify with: no prefix, or unpadded base64.
+        ({"webhook_secret": SECRET.removeprefix("whsec_")}, "base64 of 16"),
+        (
+            {"webhook_secret": "whsec_" + base64.b64encode(b"x" * 17).decode().rstrip("=")},
+            "base64 of 16",
+        ),
     ],
 )
 def test_a_webhook_setting_that_cannot_work_stops_the_process_at_start(

@@ -1,0 +1,128 @@
+"""What each API key may take: its tenant's policy, from the keys file.
+
+``PARKQ_KEYS_FILE`` names a TOML file of tenants, each with its keys and the
+limits its requests meet; the keys of ``PARKQ_API_KEYS`` (and
+``PARKQ_ADMIN_KEYS``) keep working and take the file's ``[defaults]``::
+
+    [defaults]                       # every key without a tenant table of its own
+    max_priority = "interactive"
+
+    [tenants.analytics]              # a tenant: its name, as `name:key` names one
+    keys = ["sk-an-1", "sk-an-2"]    # any of them opens the API as this tenant
+    max_priority = "batch"           # a request above it runs at it (and is told so)
+    tokens_per_minute = 60000        # prompt + max output tokens, admitted per minute
+    upload_bytes = 104857600         # its uploaded files together (else PARKQ_FILES_MAX_BYTES)
+
+    [tenants.ops]
+    keys = ["sk-ops"]
+    admin = true                     # sees every tenant's jobs, files, batches and usage
+
+A field the file does not know stops the process at start, as does a key
+given twice: a limit that is silently not applied is worse than none.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scheduler.policy import priority_level
+
+__all__ = ["NO_LIMITS", "KeyPolicy", "TenantKey", "load_keys_file"]
+
+
+@dataclass(frozen=True)
+class KeyPolicy:
+    """A tenant's limits (None: none)."""
+
+    #: The highest priority level its requests take; one above it runs at it.
+    max_priority: int | None = None
+    #: Prompt and (most) output tokens its requests may be admitted with per
+    #: minute, as a token bucket of a minute's worth.
+    tokens_per_minute: int | None = None
+    #: Its uploaded files together, in bytes (None: PARKQ_FILES_MAX_BYTES).
+    upload_bytes: int | None = None
+
+
+NO_LIMITS = KeyPolicy()
+
+
+@dataclass(frozen=True)
+class TenantKey:
+    """One key of the keys file."""
+
+    secret: str
+    name: str
+    admin: bool = False
+    policy: KeyPolicy = field(default=NO_LIMITS)
+
+
+_POLICY_FIELDS = {"max_priority", "tokens_per_minute", "upload_bytes"}
+_TENANT_FIELDS = _POLICY_FIELDS | {"keys", "admin"}
+
+
+def _policy(table: dict[str, Any], where: str, base: KeyPolicy) -> KeyPolicy:
+    values: dict[str, Any] = {}
+    if "max_priority" in table:
+        value = table["max_priority"]
+        try:
+            values["max_priority"] = priority_level(value)
+        except ValueError as exc:
+            raise ValueError(f"{where}: max_priority: {exc}") from None
+    for name in ("tokens_per_minute", "upload_bytes"):
+        if name in table:
+            value = table[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{where}: {name} must be a whole number, 0 or more")
+            values[name] = value or None  # 0: no limit
+    return KeyPolicy(**{**base.__dict__, **values})
+
+
+def load_keys_file(path: str | Path) -> tuple[KeyPolicy, tuple[TenantKey, ...]]:
+    """The file's defaults and its keys; raises ValueError naming what is wrong."""
+    try:
+        data = tomllib.loads(Path(path).expanduser().read_text())
+    except OSError as exc:
+        raise ValueError(f"PARKQ_KEYS_FILE: cannot read {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"PARKQ_KEYS_FILE {path}: not valid TOML: {exc}") from None
+    unknown = set(data) - {"defaults", "tenants"}
+    if unknown:
+        raise ValueError(f"PARKQ_KEYS_FILE {path}: unknown tables {sorted(unknown)} "
+                         "(expected [defaults] and [tenants.NAME])")  # fmt: skip
+    defaults_table = data.get("defaults", {})
+    if not isinstance(defaults_table, dict) or set(defaults_table) - _POLICY_FIELDS:
+        raise ValueError(f"PARKQ_KEYS_FILE {path}: [defaults] takes only "
+                         f"{sorted(_POLICY_FIELDS)}")  # fmt: skip
+    defaults = _policy(defaults_table, "[defaults]", NO_LIMITS)
+    keys: list[TenantKey] = []
+    seen: set[str] = set()
+    tenants = data.get("tenants", {})
+    if not isinstance(tenants, dict):
+        raise ValueError(f"PARKQ_KEYS_FILE {path}: [tenants] must hold tables [tenants.NAME]")
+    for name, table in tenants.items():
+        where = f"[tenants.{name}]"
+        if not isinstance(table, dict):
+            raise ValueError(f"PARKQ_KEYS_FILE {path}: {where} must be a table")
+        extra = set(table) - _TENANT_FIELDS
+        if extra:
+            raise ValueError(f"PARKQ_KEYS_FILE {path}: {where}: unknown fields {sorted(extra)} "
+                             f"(known: {sorted(_TENANT_FIELDS)})")  # fmt: skip
+        secrets = table.get("keys")
+        if (not isinstance(secrets, list) or not secrets
+                or not all(isinstance(s, str) and s.strip() for s in secrets)):  # fmt: skip
+            raise ValueError(f"PARKQ_KEYS_FILE {path}: {where}: keys must be a list of "
+                             "one or more non-empty strings")  # fmt: skip
+        admin = table.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ValueError(f"PARKQ_KEYS_FILE {path}: {where}: admin must be true or false")
+        policy = _policy(table, where, defaults)
+        for secret in secrets:
+            secret = secret.strip()
+            if secret in seen:
+                raise ValueError(f"PARKQ_KEYS_FILE {path}: a key is given twice ({where})")
+            seen.add(secret)
+            keys.append(TenantKey(secret=secret, name=name, admin=admin, policy=policy))
+    return defaults, tuple(keys)

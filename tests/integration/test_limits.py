@@ -1,0 +1,192 @@
+"""Each key's limits and usage (PARKQ_KEYS_FILE, scheduler/tenancy.py) against a
+real `parkq up` (embedded Redis, web, worker, tiny model) and the openai client.
+
+Four tenants: ``plain`` (PARKQ_API_KEYS, the file's defaults: no limits),
+``capped`` (at most batch priority), ``metered`` (600 tokens a minute, a
+1,000-byte upload quota) and ``ops`` (admin). A capped key asking for priority
+1000 parks nobody, where the same request of ``plain`` parks; a metered key over
+its rate gets 429 with a Retry-After that is enough; its batch lines wait for
+its rate instead of failing; its upload past its quota is a 413 naming it;
+``GET /v1/usage`` and the admin's /metrics count each tenant's tokens as the
+sum of its responses' usage."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import requests
+
+from tests.integration.conftest import TEST_ENV, start_parkq, stop_parkq
+from tests.integration.helpers import wait_until
+
+PLAIN, CAPPED, METERED, OPS = "sk-plain", "sk-capped", "sk-metered", "sk-ops"
+KEYS_FILE = f"""
+[tenants.capped]
+keys = ["{CAPPED}"]
+max_priority = "batch"
+
+[tenants.metered]
+keys = ["{METERED}"]
+tokens_per_minute = 600
+upload_bytes = 1000
+
+[tenants.ops]
+keys = ["{OPS}"]
+admin = true
+"""
+#: A batch-priority generation long enough to be running when the next request comes.
+LONG = {"model": "tiny", "prompt": "A long one", "max_tokens": 3000, "ignore_eos": True,
+        "temperature": 0, "priority": "batch", "stream": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model: Path, tmp_path_factory: Any) -> Iterator[str]:
+    path = tmp_path_factory.mktemp("keys") / "keys.toml"
+    path.write_text(KEYS_FILE)
+    env = {**TEST_ENV, "PARKQ_API_KEYS": f"plain:{PLAIN}", "PARKQ_KEYS_FILE": str(path),
+           "PARKQ_JANITOR_SECONDS": "0.5"}  # fmt: skip
+    proc, url = start_parkq(tiny_model, None, env=env)
+    yield url
+    stop_parkq(proc)
+
+
+def _client(base: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+
+
+def _get(base: str, key: str, path: str) -> requests.Response:
+    return requests.get(base + path, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def _preemptions_of_long_while(base: str, key: str) -> tuple[int, requests.Response]:
+    """A long batch job of ``plain`` runs; ``key`` asks for priority 1000: how
+    often the long job was parked by then, and the second request's response."""
+    headers = {"Authorization": f"Bearer {PLAIN}"}
+    long = requests.post(base + "/v1/completions", json=LONG, headers=headers, stream=True,
+                         timeout=120)  # fmt: skip
+    long_id = long.headers["X-Job-Id"]
+
+    def job() -> dict[str, Any]:
+        got: dict[str, Any] = _get(base, OPS, f"/v1/jobs/{long_id}").json()
+        return got
+
+    wait_until(lambda: job()["state"] == "running" and job()["tokens"] > 20, timeout=60)
+    got: list[requests.Response] = []
+    first = {"model": "tiny", "prompt": "Me first", "max_tokens": 3, "priority": 1000}
+
+    def ask() -> None:
+        got.append(requests.post(base + "/v1/completions", json=first, timeout=120,
+                                 headers={"Authorization": f"Bearer {key}"}))  # fmt: skip
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    wait_until(lambda: bool(got) or job()["preemptions"] > 0 or job()["state"] == "finished",
+               timeout=60)  # fmt: skip
+    parked = int(job()["preemptions"])
+    for _ in long.iter_lines():
+        pass
+    asker.join(timeout=120)
+    return parked, got[0]
+
+
+def test_a_key_capped_at_batch_priority_parks_nobody(base: str) -> None:
+    parked, capped = _preemptions_of_long_while(base, CAPPED)
+    assert capped.status_code == 200, capped.text
+    assert parked == 0
+    assert capped.headers["X-Parkq-Priority-Clamped"] == "0; requested=1000"
+    # The control: the same request of a key without the cap parks the long job.
+    parked, plain = _preemptions_of_long_while(base, PLAIN)
+    assert plain.status_code == 200 and parked >= 1
+    assert "X-Parkq-Priority-Clamped" not in plain.headers
+
+
+def test_a_key_over_its_token_rate_waits_as_long_as_retry_after_says(base: str) -> None:
+    client = _client(base, METERED)
+    ask = {"model": "tiny", "prompt": "Count", "max_tokens": 300, "temperature": 0}
+    client.completions.create(**ask)  # about 310 of its 600 a minute
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.completions.create(**ask)
+    body = refused.value.body
+    assert isinstance(body, dict) and body["code"] == "tokens_per_minute_exceeded"
+    wait = int(refused.value.response.headers["Retry-After"])
+    assert 1 <= wait <= 60
+    time.sleep(wait)
+    client.completions.create(**ask)  # admitted once it waited as told
+    # Another tenant is not held back by this one's rate.
+    _client(base, PLAIN).completions.create(**ask)
+
+
+def test_a_metered_tenant_s_batch_lines_wait_for_its_rate_instead_of_failing(base: str) -> None:
+    time.sleep(31)  # the bucket half full again after the test before
+    client = _client(base, METERED)
+    lines = [{"custom_id": f"m-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny", "prompt": "Line", "max_tokens": 150}}
+             for i in range(3)]  # fmt: skip
+    content = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    assert len(content) < 1000  # within its upload quota
+    up = client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+    batch = client.batches.create(input_file_id=up.id, endpoint="/v1/completions",
+                                  completion_window="24h")  # fmt: skip
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+        assert time.monotonic() < deadline, batch.status
+        time.sleep(0.3)
+    assert batch.status == "completed" and batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 0)
+    client.files.delete(up.id)
+    # Queued one after another as the bucket refilled (10 tokens a second, each
+    # line about 155): not all at once as the batch window (4) would allow.
+    assert batch.output_file_id is not None
+    out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    jobs = [_get(base, OPS, f"/v1/jobs/{x['response']['request_id']}").json() for x in out]
+    queued = sorted(j["created_at"] for j in jobs)  # when each line joined the queue
+    assert queued[-1] - queued[0] >= 10, queued
+
+
+def test_an_upload_past_the_tenant_s_quota_is_refused_naming_it(base: str) -> None:
+    client = _client(base, METERED)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.files.create(file=("big.jsonl", io.BytesIO(b"x" * 1500)), purpose="batch")
+    assert refused.value.status_code == 413
+    assert "upload_bytes" in str(refused.value.body)
+    # The same file is within the deployment's quota for a key without its own.
+    up = _client(base, PLAIN).files.create(file=("big.jsonl", io.BytesIO(b"x" * 1500)),
+                                           purpose="batch")  # fmt: skip
+    _client(base, PLAIN).files.delete(up.id)
+
+
+def test_usage_per_key_is_the_sum_of_its_responses_usage(base: str) -> None:
+    before = _get(base, PLAIN, "/v1/usage").json()
+    client = _client(base, PLAIN)
+    got = [client.chat.completions.create(model="tiny", max_tokens=5 + i,
+                                          messages=[{"role": "user", "content": "Hi " * i}])
+           for i in range(3)]  # fmt: skip
+    after = _get(base, PLAIN, "/v1/usage").json()
+
+    def total(page: dict[str, Any], name: str) -> int:
+        return sum(r[name] for b in page["data"] for r in b["results"])
+
+    assert all(r.usage is not None for r in got)
+    prompt = sum(r.usage.prompt_tokens for r in got if r.usage)
+    completion = sum(r.usage.completion_tokens for r in got if r.usage)
+    assert total(after, "input_tokens") - total(before, "input_tokens") == prompt
+    assert total(after, "output_tokens") - total(before, "output_tokens") == completion
+    assert total(after, "num_model_requests") - total(before, "num_model_requests") == 3
+    # A key sees its own tenant alone; the admin sees every tenant by name.
+    assert {r["api_key_id"] for b in after["data"] for r in b["results"]} == {"plain"}
+    everyone = _get(base, OPS, "/v1/usage").json()
+    names = {r["api_key_id"] for b in everyone["data"] for r in b["results"]}
+    assert {"plain", "capped", "metered"} <= names
+    # The admin's /metrics carries the same totals by key name; others see none.
+    page = _get(base, OPS, "/metrics").text
+    assert 'parkq_key_tokens_total{key="plain",kind="completion"} ' in page
+    assert "parkq_key_tokens" not in _get(base, PLAIN, "/metrics").text
+    assert _get(base, PLAIN, "/v1/usage?bucket_width=2h").status_code == 400
