@@ -12,6 +12,7 @@ limits its requests meet; the keys of ``PARKQ_API_KEYS`` (and
     max_priority = "batch"           # a request above it runs at it (and is told so)
     tokens_per_minute = 60000        # prompt + max output tokens, admitted per minute
     upload_bytes = 104857600         # its uploaded files together (else PARKQ_FILES_MAX_BYTES)
+    weight = 2                       # its batches take twice the turns of a weight-1 tenant's
 
     [tenants.ops]
     keys = ["sk-ops"]
@@ -44,6 +45,9 @@ class KeyPolicy:
     tokens_per_minute: int | None = None
     #: Its uploaded files together, in bytes (None: PARKQ_FILES_MAX_BYTES).
     upload_bytes: int | None = None
+    #: Its share beside other tenants' batches: each of its batches keeps
+    #: ``weight`` times PARKQ_BATCH_WINDOW lines waiting or running.
+    weight: float = 1.0
 
 
 NO_LIMITS = KeyPolicy()
@@ -59,7 +63,7 @@ class TenantKey:
     policy: KeyPolicy = field(default=NO_LIMITS)
 
 
-_POLICY_FIELDS = {"max_priority", "tokens_per_minute", "upload_bytes"}
+_POLICY_FIELDS = {"max_priority", "tokens_per_minute", "upload_bytes", "weight"}
 _TENANT_FIELDS = _POLICY_FIELDS | {"keys", "admin"}
 
 
@@ -77,6 +81,11 @@ def _policy(table: dict[str, Any], where: str, base: KeyPolicy) -> KeyPolicy:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{where}: {name} must be a whole number, 0 or more")
             values[name] = value or None  # 0: no limit
+    if "weight" in table:
+        value = table["weight"]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"{where}: weight must be a number above 0")
+        values["weight"] = float(value)
     return KeyPolicy(**{**base.__dict__, **values})
 
 

@@ -173,6 +173,9 @@ def create_batch() -> Any:
         keep["level"] = str(policy.max_priority)
     if policy.tokens_per_minute:
         keep["tokens_per_minute"] = str(policy.tokens_per_minute)
+    if policy.weight != 1.0:  # its share: its lines waiting or running at a time
+        lines = current().settings.batch_window
+        keep["window"] = str(max(1, round(lines * policy.weight)))
     record = {
         "id": batch_id,
         "endpoint": req.endpoint,

@@ -1,14 +1,15 @@
 """Each key's limits and usage (PARKQ_KEYS_FILE, scheduler/tenancy.py) against a
 real `parkq up` (embedded Redis, web, worker, tiny model) and the openai client.
 
-Four tenants: ``plain`` (PARKQ_API_KEYS, the file's defaults: no limits),
+Five tenants: ``plain`` (PARKQ_API_KEYS, the file's defaults: no limits),
 ``capped`` (at most batch priority), ``metered`` (600 tokens a minute, a
-1,000-byte upload quota) and ``ops`` (admin). A capped key asking for priority
+1,000-byte upload quota), ``heavy`` (weight 2) and ``ops`` (admin). A capped key asking for priority
 1000 parks nobody, where the same request of ``plain`` parks; a metered key over
 its rate gets 429 with a Retry-After that is enough; its batch lines wait for
 its rate instead of failing; its upload past its quota is a 413 naming it;
-``GET /v1/usage`` and the admin's /metrics count each tenant's tokens as the
-sum of its responses' usage."""
+batches of two tenants at one level take turns, by weight; ``GET /v1/usage``
+and the admin's /metrics count each tenant's tokens as the sum of its
+responses' usage."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import requests
 from tests.integration.conftest import TEST_ENV, start_parkq, stop_parkq
 from tests.integration.helpers import wait_until
 
-PLAIN, CAPPED, METERED, OPS = "sk-plain", "sk-capped", "sk-metered", "sk-ops"
+PLAIN, CAPPED, METERED, HEAVY, OPS = "sk-plain", "sk-capped", "sk-metered", "sk-heavy", "sk-ops"
 KEYS_FILE = f"""
 [tenants.capped]
 keys = ["{CAPPED}"]
@@ -37,6 +38,10 @@ max_priority = "batch"
 keys = ["{METERED}"]
 tokens_per_minute = 600
 upload_bytes = 1000
+
+[tenants.heavy]
+keys = ["{HEAVY}"]
+weight = 2
 
 [tenants.ops]
 keys = ["{OPS}"]
@@ -190,3 +195,56 @@ def test_usage_per_key_is_the_sum_of_its_responses_usage(base: str) -> None:
     assert 'parkq_key_tokens_total{key="plain",kind="completion"} ' in page
     assert "parkq_key_tokens" not in _get(base, PLAIN, "/metrics").text
     assert _get(base, PLAIN, "/v1/usage?bucket_width=2h").status_code == 400
+
+
+def _run_batches(base: str, tmp: Path, sizes: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
+    """One batch per key (``sizes``: lines of two tokens each), created
+    together; each key's lines' job records once all have ended."""
+    ids = {}
+    for key, n in sizes.items():
+        client = _client(base, key)
+        lines = [{"custom_id": f"{i}", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "tiny", "prompt": "Turns", "max_tokens": 2}}
+                 for i in range(n)]  # fmt: skip
+        content = "".join(json.dumps(x) + "\n" for x in lines).encode()
+        up = client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+        ids[key] = (client, client.batches.create(input_file_id=up.id, endpoint="/v1/completions",
+                                                  completion_window="24h").id)  # fmt: skip
+    jobs: dict[str, list[dict[str, Any]]] = {}
+    for key, (client, batch_id) in ids.items():
+        deadline = time.monotonic() + 180
+        while (batch := client.batches.retrieve(batch_id)).status != "completed":
+            assert batch.status in ("validating", "in_progress", "finalizing"), batch.status
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+        assert batch.output_file_id is not None
+        out = client.files.content(batch.output_file_id).text.splitlines()
+        jobs[key] = [_get(base, OPS, f"/v1/jobs/{json.loads(x)['response']['request_id']}").json()
+                     for x in out]  # fmt: skip
+    return jobs
+
+
+def _shares(jobs: dict[str, list[dict[str, Any]]]) -> dict[str, int]:
+    """Each key's lines run while both batches had lines running: from the later
+    batch's first start to the earlier batch's last end."""
+    start = max(min(j["started_at"] for j in js) for js in jobs.values())
+    end = min(max(j["finished_at"] for j in js) for js in jobs.values())
+    assert end > start
+    return {k: sum(start <= j["started_at"] < end for j in js) for k, js in jobs.items()}
+
+
+def test_a_small_batch_beside_a_large_one_takes_turns_not_its_place_in_line(
+    base: str, tmp_path: Path
+) -> None:
+    jobs = _run_batches(base, tmp_path, {PLAIN: 200, CAPPED: 20})
+    small_done = max(j["finished_at"] for j in jobs[CAPPED])
+    small_start = min(j["started_at"] for j in jobs[CAPPED])
+    big_meanwhile = sum(small_start <= j["started_at"] < small_done for j in jobs[PLAIN])
+    # One line of each in turn (each batch keeps 4 waiting): the 20 lines end
+    # after about 40, not after the 200 ahead of them.
+    assert big_meanwhile <= 20 + 8, big_meanwhile
+
+
+def test_weights_2_to_1_give_batches_a_2_to_1_share(base: str, tmp_path: Path) -> None:
+    shares = _shares(_run_batches(base, tmp_path, {HEAVY: 240, PLAIN: 120}))
+    assert 1.8 <= shares[HEAVY] / shares[PLAIN] <= 2.2, shares
