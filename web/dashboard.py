@@ -21,11 +21,12 @@ from urllib.parse import urlsplit
 
 from flask import Blueprint, Response, current_app, jsonify, redirect, request
 
+from jobs.store.telemetry import as_text
 from scheduler.policy import priority_label
 from scheduler.settings import ApiKey
 from web.errors import APIError, TooManyRequests
 from web.runtime import current
-from web.tenants import caller, sees
+from web.tenants import caller, label_of, sees
 
 __all__ = [
     "COOKIE",
@@ -252,4 +253,38 @@ def state() -> Response:
         "queue": queue,
         "workers": workers,
         "preemptions": preemptions,
+        "tenants": _tenant_shares(now),
     })  # fmt: skip
+
+
+def _tenant_shares(now: float) -> list[dict[str, Any]]:
+    """Each tenant's tokens (prompt and completion of finished jobs) in the last
+    hour and the last 24 hours, and its share of the day's, largest first: by
+    name (another tenant's unnamed key shows as another key, not by its id)."""
+    runtime = current()
+    hour = int(now // 3600) * 3600
+    hours = [hour - 3600 * i for i in range(24)]
+    with runtime.store.r.pipeline(transaction=False) as p:
+        for h in hours:
+            p.hgetall(runtime.store.keys.usage(h))
+        rows = p.execute()
+    day: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, row in enumerate(rows):
+        for raw, value in row.items():
+            tenant, _, what = as_text(raw).rpartition("|")
+            if what not in ("prompt", "completion"):
+                continue
+            day[tenant] = day.get(tenant, 0) + int(value)
+            if i == 0:
+                last[tenant] = last.get(tenant, 0) + int(value)
+    total = sum(day.values()) or 1
+    keys = runtime.settings.api_key_entries
+    out = []
+    for tenant, tokens in sorted(day.items(), key=lambda kv: -kv[1]):
+        name = label_of(keys, tenant) or "everyone"
+        if not sees(tenant) and name.startswith(("key-", "tenant-")):
+            name = "another key"
+        out.append({"name": name, "tokens_hour": last.get(tenant, 0), "tokens_day": tokens,
+                    "share": round(100 * tokens / total, 1)})  # fmt: skip
+    return out

@@ -77,6 +77,11 @@ def test_dashboard_chat_and_a_long_job_parked_and_resumed(
             reply = page.text_content("#reply") or ""
             assert reply.strip()
             assert "first token after" in (page.text_content("#chat-status") or "")
+            # The chat's tokens count for this key's tenant, by its name (an
+            # unnamed key's: key-<8 hex>), in the tenants' table.
+            page.wait_for_function(
+                "document.querySelector('#tenants').textContent.includes('key-')"
+            )
 
             # The long job resumes: it has left the queue, and the preemption list shows it.
             page.wait_for_function(

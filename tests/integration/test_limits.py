@@ -195,6 +195,10 @@ def test_usage_per_key_is_the_sum_of_its_responses_usage(base: str) -> None:
     assert 'parkq_key_tokens_total{key="plain",kind="completion"} ' in page
     assert "parkq_key_tokens" not in _get(base, PLAIN, "/metrics").text
     assert _get(base, PLAIN, "/v1/usage?bucket_width=2h").status_code == 400
+    # The dashboard shows every key each tenant's share of the day, by name.
+    shares = _get(base, PLAIN, "/dashboard/state").json()["tenants"]
+    assert {t["name"] for t in shares} >= {"plain", "capped", "metered"}
+    assert abs(sum(t["share"] for t in shares) - 100) < 1
 
 
 def _run_batches(base: str, tmp: Path, sizes: dict[str, int]) -> dict[str, list[dict[str, Any]]]:

@@ -38,6 +38,13 @@ function render(s) {
   $("preemptions").replaceChildren(...s.preemptions.slice(0, 12).map((p) => row([
     cell(new Date(p.at * 1000).toLocaleTimeString()), cell(p.job ?? OTHERS), cell(p.tokens), cell(p.park_ms), cell(p.worker),
   ])));
+  $("tenants").replaceChildren(...(s.tenants || []).map((t) => {
+    const bar = document.createElement("td");
+    const fill = document.createElement("span");
+    fill.className = "share"; fill.style.width = t.share + "%";
+    bar.append(fill, " " + t.share.toFixed(1) + " %");
+    return row([cell(t.name), cell(String(t.tokens_hour)), cell(String(t.tokens_day)), bar]);
+  }));
   const marks = s.preemptions.filter((p) => s.now - p.at < 300).map((p) => {
     const span = document.createElement("span");
     span.style.left = (100 * (1 - (s.now - p.at) / 300)).toFixed(2) + "%";

@@ -1,0 +1,144 @@
+"""What tenants' limits cost Redis: the claim script with 10,000 queued jobs of
+100 tenants, and the batch feed script with and without a tenant's token rate.
+
+    python -m tools.bench.tenants [--jobs 10000] [--tenants 100] [--claims 2000]
+        [--feeds 2000] [--out FILE.json]
+
+Starts one `redis-server` (loopback) and drives parkq's own scripts
+(jobs/store/scheduling.py) with no engine:
+
+- **claim**: ``--jobs`` waiting jobs at one level (and ``--claims`` more),
+  owned round robin by ``--tenants`` tenants; ``--claims`` claims, each by a
+  sequence of its own. Batches' turns by weight need nothing of the
+  claim (a batch's window is its tenant's weight, applied where lines are
+  fed), so this is the claim every job pays, with tenants or without.
+- **feed**: a batch of ``--feeds`` lines fed one at a time (each fed line then
+  marked ended, as a worker would end it), once with no token rate and once
+  with one that never runs dry: the rate's own cost per fed line.
+
+Redis time per call is INFO commandstats' (``evalsha``, microseconds per call,
+reset before each part); the client's round trip is beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import redis
+
+from jobs.store.batches import BatchStore
+from jobs.store.scheduling import Store
+from scheduler.settings import load_settings
+from tools.bench import command_line, redis_server, write_results
+from tools.launcher import free_port
+
+
+def _redis_us(r: redis.Redis) -> float:
+    """Redis's own microseconds per script call since the last reset."""
+    stats = r.info("commandstats").get("cmdstat_evalsha", {})
+    return round(float(stats.get("usec_per_call", 0.0)), 2)
+
+
+def claim_cost(url: str, jobs: int, tenants: int, claims: int) -> dict[str, Any]:
+    settings = load_settings(redis_url=url, key_prefix="claims", queue_name="claims",
+                             max_queue=10**7)  # fmt: skip
+    r = redis.Redis.from_url(url)
+    store = Store(r, settings)
+    # Enough that the queue holds ``jobs`` or more through every claim.
+    for i in range(jobs + claims):
+        store.enqueue(f"j-{i}", "completion", {"prompt": "x"}, 0, time.time(),
+                      owner=f"tenant-{i % tenants}")  # fmt: skip
+    r.config_resetstat()
+    walls = []
+    for c in range(claims):
+        t0 = time.perf_counter()
+        got = store.claim(f"seq-{c}", time.time(), "proc")
+        walls.append(time.perf_counter() - t0)
+        assert got is not None
+    us = _redis_us(r)
+    r.delete(*r.keys("{claims}*") or ["none"])
+    walls.sort()
+    return {
+        "queued_at_least": jobs,
+        "tenants": tenants,
+        "claims": claims,
+        "redis_us_per_claim": us,
+        "client_ms_p50": round(1000 * walls[len(walls) // 2], 3),
+        "client_ms_p99": round(1000 * walls[int(len(walls) * 0.99)], 3),
+    }
+
+
+def feed_cost(url: str, lines: int, rate: int) -> dict[str, Any]:
+    prefix = f"feed{rate}"
+    settings = load_settings(redis_url=url, key_prefix=prefix, queue_name=prefix,
+                             max_queue=10**7)  # fmt: skip
+    r = redis.Redis.from_url(url)
+    store = Store(r, settings)
+    batches = BatchStore(store)
+    record = {"id": "batch_x", "invalid": "0", "errors": "[]", "status": "in_progress",
+              "owner": "tenant-1", "window": "1"}  # fmt: skip
+    if rate:
+        record["tokens_per_minute"] = str(rate)
+    request = {"prompt_ids": [1] * 10, "max_tokens": 5}
+    batches.create_batch(record, [(f"l-{i}", f"c-{i}", "completion", request, {})
+                                  for i in range(lines)], [], time.time())  # fmt: skip
+    r.hset(store.keys.batch("batch_x"), mapping=record)
+    r.config_resetstat()
+    fed = 0
+    t0 = time.perf_counter()
+    for i in range(lines):
+        fed += batches.feed("batch_x")
+        r.hset(store.keys.job(f"l-{i}"), "state", "finished")  # its line ended
+    wall = time.perf_counter() - t0
+    us = _redis_us(r)
+    r.delete(*r.keys("{" + prefix + "}*") or ["none"])
+    return {
+        "lines": lines,
+        "fed": fed,
+        "tokens_per_minute": rate or None,
+        "redis_us_per_feed": us,
+        "client_ms_per_feed": round(1000 * wall / lines, 3),
+    }
+
+
+def main() -> None:
+    ap = command_line(__doc__, "tenants", model="none (Redis only)")
+    ap.add_argument("--jobs", type=int, default=10_000)
+    ap.add_argument("--tenants", type=int, default=100)
+    ap.add_argument("--claims", type=int, default=2000)
+    ap.add_argument("--feeds", type=int, default=2000)
+    args = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="parkq-tenants-")
+    port = free_port()
+    proc = redis_server(work, port)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        version = redis.Redis.from_url(url).info("server")["redis_version"]
+        claim = claim_cost(url, args.jobs, args.tenants, args.claims)
+        print(json.dumps(claim), flush=True)
+        feeds = [feed_cost(url, args.feeds, rate) for rate in (0, 10**9)]
+        for row in feeds:
+            print(json.dumps(row), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        shutil.rmtree(work, ignore_errors=True)
+    results = {
+        "machine": f"{platform.processor() or platform.machine()}, "
+        f"{len(os.sched_getaffinity(0))} CPUs",
+        "redis": version,
+        "date": time.strftime("%Y-%m-%d"),
+        "claim": claim,
+        "feed": feeds,
+    }
+    write_results(args.out, results)
+
+
+if __name__ == "__main__":
+    main()
