@@ -193,7 +193,7 @@ class Settings(BaseSettings):
         description="A TOML file of tenants: their keys and the limits their requests meet "
         "(the highest priority, tokens per minute, an upload quota; docs/operations.md, "
         '"Tenants and their limits"). The keys of PARKQ_API_KEYS and PARKQ_ADMIN_KEYS '
-        "take its [defaults]. Read again when it changes.",
+        "take its [defaults]. Read at start.",
     )
     admin_keys: str | None = Field(
         None,
@@ -489,18 +489,10 @@ def cache_root(cache_dir: str | None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "parkq"
 
 
-def _read_keys_file(path: str) -> tuple[KeyPolicy, tuple[TenantKey, ...]]:
-    """The keys file, read again only when it changed (its size and time)."""
-    try:
-        st = Path(path).expanduser().stat()
-        stamp = (st.st_mtime_ns, st.st_size)
-    except OSError:
-        stamp = (0, 0)
-    return _keys_file_at(path, stamp)
-
-
 @functools.lru_cache(maxsize=4)
-def _keys_file_at(path: str, stamp: tuple[int, int]) -> tuple[KeyPolicy, tuple[TenantKey, ...]]:
+def _read_keys_file(path: str) -> tuple[KeyPolicy, tuple[TenantKey, ...]]:
+    """The keys file, read once per process (at start: a change takes a restart,
+    so every web process of one start agrees on who may do what)."""
     return load_keys_file(path)
 
 
