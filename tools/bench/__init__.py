@@ -7,11 +7,15 @@ durable, fleet). Not tests."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import platform
 import shutil
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,3 +108,25 @@ def redis_server(workdir: str, port: int, *extra: str) -> subprocess.Popen[bytes
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def scratch_redis(name: str, *extra: str) -> Iterator[str]:
+    """A :func:`redis_server` of its own in a temporary folder, for a Redis-only
+    benchmark: its URL; stopped and removed on exit."""
+    from tools.launcher import free_port
+
+    work = tempfile.mkdtemp(prefix=f"parkq-{name}-")
+    port = free_port()
+    proc = redis_server(work, port, *extra)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def machine() -> str:
+    """This machine in a benchmark's results: its processor and usable CPUs."""
+    return f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} CPUs"

@@ -23,10 +23,6 @@ reset before each part); the client's round trip is beside it.
 from __future__ import annotations
 
 import json
-import os
-import platform
-import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -35,8 +31,7 @@ import redis
 from jobs.store.batches import BatchStore
 from jobs.store.scheduling import Store
 from scheduler.settings import load_settings
-from tools.bench import command_line, redis_server, write_results
-from tools.launcher import free_port
+from tools.bench import command_line, machine, scratch_redis, write_results
 
 
 def _redis_us(r: redis.Redis) -> float:
@@ -114,24 +109,15 @@ def main() -> None:
     ap.add_argument("--claims", type=int, default=2000)
     ap.add_argument("--feeds", type=int, default=2000)
     args = ap.parse_args()
-    work = tempfile.mkdtemp(prefix="parkq-tenants-")
-    port = free_port()
-    proc = redis_server(work, port)
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
+    with scratch_redis("tenants") as url:
         version = redis.Redis.from_url(url).info("server")["redis_version"]
         claim = claim_cost(url, args.jobs, args.tenants, args.claims)
         print(json.dumps(claim), flush=True)
         feeds = [feed_cost(url, args.feeds, rate) for rate in (0, 10**9)]
         for row in feeds:
             print(json.dumps(row), flush=True)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
-        shutil.rmtree(work, ignore_errors=True)
     results = {
-        "machine": f"{platform.processor() or platform.machine()}, "
-        f"{len(os.sched_getaffinity(0))} CPUs",
+        "machine": machine(),
         "redis": version,
         "date": time.strftime("%Y-%m-%d"),
         "claim": claim,
