@@ -114,6 +114,13 @@ class Keys:
         rate, expiring once it would be full again."""
         return f"{self.base}:bucket:{tenant}"
 
+    @property
+    def batches_waiting(self) -> str:
+        """Sorted set of batch ids whose next line waits for its tenant's token
+        rate, scored by when it will fit (the janitor feeds them then). Bound:
+        one entry per such batch; removed when fed."""
+        return f"{self.base}:batches:waiting"
+
     def usage(self, hour: int) -> str:
         """Hash of one hour's usage (``hour``: its first second), fields
         ``<tenant>|<what>``: prompt and completion tokens and requests of finished

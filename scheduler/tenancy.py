@@ -43,7 +43,7 @@ class KeyPolicy:
     #: Prompt and (most) output tokens its requests may be admitted with per
     #: minute, as a token bucket of a minute's worth.
     tokens_per_minute: int | None = None
-    #: Its uploaded files together, in bytes (None: PARKQ_FILES_MAX_BYTES).
+    #: Its uploaded files together, in bytes (None: PARKQ_FILES_MAX_BYTES; 0: no limit).
     upload_bytes: int | None = None
     #: Its share beside other tenants' batches: each of its batches keeps
     #: ``weight`` times PARKQ_BATCH_WINDOW lines waiting or running.
@@ -80,7 +80,8 @@ def _policy(table: dict[str, Any], where: str, base: KeyPolicy) -> KeyPolicy:
             value = table[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{where}: {name} must be a whole number, 0 or more")
-            values[name] = value or None  # 0: no limit
+            # 0: no limit (upload_bytes 0 over PARKQ_FILES_MAX_BYTES too)
+            values[name] = value if name == "upload_bytes" else value or None
     if "weight" in table:
         value = table["weight"]
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
@@ -113,6 +114,8 @@ def load_keys_file(path: str | Path) -> tuple[KeyPolicy, tuple[TenantKey, ...]]:
         raise ValueError(f"PARKQ_KEYS_FILE {path}: [tenants] must hold tables [tenants.NAME]")
     for name, table in tenants.items():
         where = f"[tenants.{name}]"
+        if not name.strip():
+            raise ValueError(f"PARKQ_KEYS_FILE {path}: a tenant needs a name ([tenants.NAME])")
         if not isinstance(table, dict):
             raise ValueError(f"PARKQ_KEYS_FILE {path}: {where} must be a table")
         extra = set(table) - _TENANT_FIELDS

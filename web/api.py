@@ -100,8 +100,8 @@ def _submit(
                     sampling=replace(gen.sampling, seed=gen.sampling.seed + i),
                 )
                 queued.append(_enqueue(choice_id(response_id, i), choice, level))
-        except TooManyRequests:
-            runtime.store.cancel_live(queued, time.time())  # all choices or none
+        except Exception:  # the queue full, Redis failing: all choices or none
+            runtime.store.cancel_live(queued, time.time())
             for job_id in queued:
                 runtime.rq.canceled(job_id)
             raise

@@ -76,7 +76,7 @@ def upload_file() -> Any:
         )
     settings = current().settings
     store = batch_store()
-    own = caller().policy.upload_bytes  # the keys file's, for this tenant
+    own = caller().policy.upload_bytes  # the keys file's, for this tenant (0: none)
     quota = own if own is not None else settings.files_max_bytes
     if quota:  # per tenant; the message names the caller's usage alone
         used = store.uploaded_bytes(caller().tenant)

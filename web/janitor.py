@@ -167,11 +167,23 @@ class Janitor:
         if not self.store.r.set(self.store.keys.janitor_lock, os.getpid(), nx=True, px=lock_ms):
             return None
         swept = Swept(compact_ended(self.store, self.settings.replay_seconds))
+        self._feed_waiting()
         self._sweeps += 1
         if self._sweeps % BATCH_EVERY == 1:
             swept.batches = self._batches()
             BatchStore(self.store).prune_indexes()
         return swept
+
+    def _feed_waiting(self) -> None:
+        """Feed the batches whose next line waited for its tenant's token rate and
+        fits now (each sweep: a batch with no line running has nobody else to)."""
+        k = self.store.keys
+        due = self.store.r.zrangebyscore(k.batches_waiting, "-inf", time.time(), 0, 100)
+        batches = BatchStore(self.store)
+        for raw in due:
+            batch_id = as_text(raw)
+            self.store.r.zrem(k.batches_waiting, batch_id)  # fed again below, or noted again
+            batches.feed(batch_id)
 
     def _batches(self) -> int:
         """Bring every open batch up to date as a read would; how many were open."""

@@ -4,11 +4,13 @@ result per key name), from the hourly counts the workers keep in Redis.
 
 A finished job counts its ``usage`` (prompt and completion tokens, and one
 request) for its tenant in the same Lua call that ends it, so the counts equal
-the sum of the usage fields of the tenant's responses (one per choice where
-``n`` > 1: each choice is a job). A park counts one park and the tokens the
-job had generated (``parked_tokens``: work set aside, replayed where its KV
-was not kept). A caller sees its own tenant; an admin key sees every tenant,
-one result each (``group_by=api_key_id`` is how OpenAI asks for that).
+the sum of the usage fields of the tenant's finished responses (a response of
+``n`` choices counts its prompt once and one request per choice). A park
+counts one park and the tokens the job had generated since its last park
+(``parked_tokens``: work set aside, replayed where its KV was not kept). A
+cancelled or failed job counts the tokens it generated as
+``unfinished_tokens`` (a stream may have delivered them). A caller sees its
+own tenant; an admin key sees every tenant, one result each.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ FIELDS = {
     "requests": "num_model_requests",
     "parked": "parked_tokens",
     "parks": "parks",
+    "unfinished": "unfinished_tokens",
 }
 _WIDTHS = {"1h": 3600, "1d": 86400}
 #: Most buckets one page holds (OpenAI's limit for 1h buckets is 168).
@@ -66,21 +69,28 @@ def usage() -> Any:
     if end <= start:
         raise BadRequest("'end_time' must be after 'start_time'.", param="end_time")
     start -= start % width
-    if (end - start) // width > MAX_BUCKETS:
+    if -(-(end - start) // width) > MAX_BUCKETS:
         raise BadRequest(f"At most {MAX_BUCKETS} buckets at a time: narrow the range or widen "
                          "the buckets.", param="start_time")  # fmt: skip
     runtime = current()
     who = caller()
     keys = runtime.settings.api_key_entries
     hours = list(range(start - start % 3600, end, 3600))
+    own = [f"{who.tenant}|{what}" for what in FIELDS]
     with runtime.store.r.pipeline(transaction=False) as p:
         for hour in hours:
-            p.hgetall(runtime.store.keys.usage(hour))
-        rows = p.execute()
+            if who.admin:
+                p.hgetall(runtime.store.keys.usage(hour))
+            else:  # its own fields alone: the cost does not grow with other tenants
+                p.hmget(runtime.store.keys.usage(hour), own)
+        got = p.execute()
+    rows = got if who.admin else [dict(zip(own, values, strict=True)) for values in got]
     buckets: dict[int, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))
     for hour, row in zip(hours, rows, strict=True):
         b = hour - hour % width
         for raw_field, raw_value in row.items():
+            if raw_value is None:
+                continue
             tenant, _, what = as_text(raw_field).rpartition("|")
             if what not in FIELDS or not (who.admin or tenant == who.tenant):
                 continue

@@ -417,6 +417,7 @@ class Store:
                 k.queue,
                 k.wake,
                 k.bucket(owner),
+                k.batches_waiting,
             ],
             [
                 repr(now),

@@ -588,6 +588,8 @@ class Executions:
                 "usage": json.dumps(gen.usage),
                 "tokens": str(len(gen.generated)),
             }
+            if gen.request.choice > 0:  # the response counts its prompt once: choice 0's
+                fields["usage_prompt"] = "0"
             payloads = outcome.payloads
             state = JobState.FINISHED
         if self.store.model is not None and self.store.model.fingerprint:

@@ -4,8 +4,10 @@
 -- whoever ended its last job.
 -- A line whose tenant's token bucket cannot take its cost (its prompt and most
 -- output tokens) waits at the head of the batch, and the lines behind it too.
+-- Such a batch is noted in the waiting set, scored by when its line will fit
+-- (the janitor feeds it then: no line of it may be running to do so).
 -- KEYS: batch hash, pending list, live set, queue zset, wake list, the tenant's
---       token bucket
+--       token bucket, the waiting set
 -- ARGV: now, job key prefix, window, score for now, live states (csv), pending
 --       prefix, the tenant's tokens per minute (0: no limit)
 if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress'
@@ -30,7 +32,11 @@ while n < window do
   if not id then break end
   if rate_min > 0 then
     local cost = tonumber(redis.call('HGET', ARGV[6] .. id, 'cost') or '0') or 0
-    if take_tokens(KEYS[6], tonumber(ARGV[1]), rate_min, cost) > 0 then break end
+    local wait = take_tokens(KEYS[6], tonumber(ARGV[1]), rate_min, cost)
+    if wait > 0 then
+      redis.call('ZADD', KEYS[7], tonumber(ARGV[1]) + wait, redis.call('HGET', KEYS[1], 'id'))
+      break
+    end
   end
   redis.call('LPOP', KEYS[2])
   local job = ARGV[2] .. id

@@ -37,11 +37,15 @@ end
 if ARGV[3] == S.finished and KEYS[6] then
   local ok, u = pcall(cjson.decode, redis.call('HGET', KEYS[1], 'usage') or 'null')
   if ok and type(u) == 'table' then
-    count_usage(KEYS[6], KEYS[5], KEYS[1], 'prompt', tonumber(u['prompt_tokens']), usage_ttl)
+    -- A response of n choices counts its prompt once (choice 0's job says so).
+    local prompt = tonumber(redis.call('HGET', KEYS[1], 'usage_prompt') or u['prompt_tokens'])
+    count_usage(KEYS[6], KEYS[5], KEYS[1], 'prompt', prompt, usage_ttl)
     count_usage(KEYS[6], KEYS[5], KEYS[1], 'completion', tonumber(u['completion_tokens']),
                 usage_ttl)
     count_usage(KEYS[6], KEYS[5], KEYS[1], 'requests', 1, usage_ttl)
   end
+elseif KEYS[6] then  -- cancelled or failed: what it generated all the same
+  count_usage(KEYS[6], KEYS[5], KEYS[1], 'unfinished', tokens_after, usage_ttl)
 end
 end_job(KEYS[1], KEYS[2], ARGV[3], ARGV[5], ARGV[6])
 release_worker(KEYS[3], KEYS[4], ARGV[7], ARGV[1])

@@ -104,6 +104,8 @@ end
 -- per minute, refilled continuously. Takes `cost` if the bucket holds it (or is
 -- full: a request larger than a minute's worth takes it below zero) and
 -- returns 0; else takes nothing and returns the seconds until it would fit.
+-- A negative cost gives tokens back (a request that was not queued after all).
+-- The bucket's clock never goes back: a caller whose clock is behind refills nothing.
 local function take_tokens(key, now, rate_min, cost)
   local cap, rate = rate_min, rate_min / 60.0
   local got = redis.call('HMGET', key, 'tokens', 'at')
@@ -112,12 +114,14 @@ local function take_tokens(key, now, rate_min, cost)
   tokens = math.min(cap, tokens + math.max(0, now - at) * rate)
   local need = math.min(cost, cap)
   local wait = 0
-  if tokens >= need then
+  if cost < 0 then
+    tokens = math.min(cap, tokens - cost)
+  elseif tokens >= need then
     tokens = tokens - cost
   else
     wait = (need - tokens) / rate
   end
-  redis.call('HSET', key, 'tokens', tostring(tokens), 'at', tostring(now))
+  redis.call('HSET', key, 'tokens', tostring(tokens), 'at', tostring(math.max(at, now)))
   redis.call('EXPIRE', key, math.ceil(math.max(0, cap - tokens) / rate) + 60)
   return wait
 end

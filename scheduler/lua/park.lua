@@ -31,11 +31,13 @@ if redis.call('HGET', KEYS[1], 'state') ~= S.parked then  -- (not a repeat of th
   -- How long it has run: what a replay elsewhere (token by token) would cost.
   local resumed = tonumber(redis.call('HGET', KEYS[1], 'resumed_at') or ARGV[2])
   redis.call('HINCRBYFLOAT', KEYS[1], 'run_seconds', math.max(0, tonumber(ARGV[2]) - resumed))
-  if KEYS[8] then  -- the tenant's usage: a park, and the tokens it set aside
+  if KEYS[8] then  -- the tenant's usage: a park, and the tokens generated since the last
     local ttl = tonumber(ARGV[8])
     local tokens = tonumber(redis.call('HGET', KEYS[1], 'tokens') or '0')
+    local before = tonumber(redis.call('HGET', KEYS[1], 'parked_counted') or '0')
     count_usage(KEYS[8], KEYS[7], KEYS[1], 'parks', 1, ttl)
-    count_usage(KEYS[8], KEYS[7], KEYS[1], 'parked', tokens, ttl)
+    count_usage(KEYS[8], KEYS[7], KEYS[1], 'parked', tokens - before, ttl)
+    redis.call('HSET', KEYS[1], 'parked_counted', tokens)
   end
 end
 move(KEYS[1], S.parking)  -- (a no-op when the step already marked it)

@@ -63,6 +63,7 @@ def test_each_key_gets_its_tenant_s_policy_and_listed_keys_the_defaults(tmp_path
         ("[defaults]\nkeys = ['k']\n", "[defaults] takes only"),
         ("[tenant.a]\nkeys = ['k']\n", "unknown tables"),
         ("[tenants.a\n", "not valid TOML"),
+        ('[tenants.""]\nkeys = ["k"]\n', "needs a name"),
     ],
 )
 def test_a_mistake_in_the_file_is_named(tmp_path: Path, text: str, says: str) -> None:
