@@ -341,7 +341,13 @@ class Settings(BaseSettings):
     priority_level_seconds: float = Field(
         60.0, gt=0, description="Seconds of waiting one priority level is worth."
     )
-    aging_rate: float = Field(1.0, gt=0, description="Priority gained per second of waiting.")
+    aging_rate: float = Field(
+        1.0,
+        gt=0,
+        description="Scales every job's key by one factor, so it never changes which job runs "
+        "first; it only divides PARKQ_PREEMPT_MARGIN (a margin of 1 is 1/rate seconds of "
+        "waiting). How waiting weighs against priority is PARKQ_PRIORITY_LEVEL_SECONDS.",
+    )
     preempt: bool = Field(
         True, description="Park a running job for a better waiting one (off: priority order only)."
     )
