@@ -21,12 +21,12 @@ from urllib.parse import urlsplit
 
 from flask import Blueprint, Response, current_app, jsonify, redirect, request
 
-from jobs.store.telemetry import as_text
 from scheduler.policy import priority_label
 from scheduler.settings import ApiKey
 from web.errors import APIError, TooManyRequests
 from web.runtime import current
 from web.tenants import caller, label_of, sees
+from web.usage import hourly
 
 __all__ = [
     "COOKIE",
@@ -263,21 +263,15 @@ def _tenant_shares(now: float) -> list[dict[str, Any]]:
     name (another tenant's unnamed key shows as another key, not by its id)."""
     runtime = current()
     hour = int(now // 3600) * 3600
-    hours = [hour - 3600 * i for i in range(24)]
-    with runtime.store.r.pipeline(transaction=False) as p:
-        for h in hours:
-            p.hgetall(runtime.store.keys.usage(h))
-        rows = p.execute()
     day: dict[str, int] = {}
     last: dict[str, int] = {}
-    for i, row in enumerate(rows):
-        for raw, value in row.items():
-            tenant, _, what = as_text(raw).rpartition("|")
-            if what not in ("prompt", "completion"):
-                continue
-            day[tenant] = day.get(tenant, 0) + int(value)
-            if i == 0:
-                last[tenant] = last.get(tenant, 0) + int(value)
+    for i, row in enumerate(hourly([hour - 3600 * i for i in range(24)])):
+        for tenant, used in row.items():
+            tokens = used.get("prompt", 0) + used.get("completion", 0)
+            if tokens:
+                day[tenant] = day.get(tenant, 0) + tokens
+            if i == 0 and tokens:
+                last[tenant] = last.get(tenant, 0) + tokens
     total = sum(day.values()) or 1
     keys = runtime.settings.api_key_entries
     out = []

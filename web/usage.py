@@ -26,7 +26,7 @@ from web.errors import BadRequest
 from web.runtime import current
 from web.tenants import caller, label_of
 
-__all__ = ["FIELDS", "bp", "tenant_totals"]
+__all__ = ["FIELDS", "bp", "hourly", "tenant_totals"]
 
 bp = Blueprint("usage", __name__)
 
@@ -76,26 +76,13 @@ def usage() -> Any:
     who = caller()
     keys = runtime.settings.api_key_entries
     hours = list(range(start - start % 3600, end, 3600))
-    own = [f"{who.tenant}|{what}" for what in FIELDS]
-    with runtime.store.r.pipeline(transaction=False) as p:
-        for hour in hours:
-            if who.admin:
-                p.hgetall(runtime.store.keys.usage(hour))
-            else:  # its own fields alone: the cost does not grow with other tenants
-                p.hmget(runtime.store.keys.usage(hour), own)
-        got = p.execute()
-    rows = got if who.admin else [dict(zip(own, values, strict=True)) for values in got]
     buckets: dict[int, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))
-    for hour, row in zip(hours, rows, strict=True):
+    for hour, row in zip(hours, hourly(hours, None if who.admin else who.tenant), strict=True):
         b = hour - hour % width
-        for raw_field, raw_value in row.items():
-            if raw_value is None:
-                continue
-            tenant, _, what = as_text(raw_field).rpartition("|")
-            if what not in FIELDS or not (who.admin or tenant == who.tenant):
-                continue
+        for tenant, used in row.items():
             counts = buckets[b][tenant]
-            counts[what] = counts.get(what, 0) + int(raw_value)
+            for what, n in used.items():
+                counts[what] = counts.get(what, 0) + n
     data = []
     for b in range(start, end, width):
         results = []
@@ -108,6 +95,34 @@ def usage() -> Any:
         data.append({"object": "bucket", "start_time": b, "end_time": b + width,
                      "results": results})  # fmt: skip
     return jsonify({"object": "page", "data": data, "has_more": False, "next_page": None})
+
+
+def hourly(hours: list[int], tenant: str | None = None) -> list[dict[str, dict[str, int]]]:
+    """Each hour's counts (:data:`FIELDS`) by tenant, read in one pipeline;
+    ``tenant``: that tenant's fields alone (the cost does not grow with the
+    other tenants)."""
+    store = current().store
+    own = [f"{tenant}|{what}" for what in FIELDS]
+    with store.r.pipeline(transaction=False) as p:
+        for hour in hours:
+            if tenant is None:
+                p.hgetall(store.keys.usage(hour))
+            else:
+                p.hmget(store.keys.usage(hour), own)
+        got = p.execute()
+    out: list[dict[str, dict[str, int]]] = []
+    for row in got:
+        if tenant is not None:
+            row = dict(zip(own, row, strict=True))
+        counts: dict[str, dict[str, int]] = defaultdict(dict)
+        for raw_field, raw_value in row.items():
+            if raw_value is None:
+                continue
+            who, _, what = as_text(raw_field).rpartition("|")
+            if what in FIELDS:
+                counts[who][what] = int(raw_value)
+        out.append(counts)
+    return out
 
 
 def tenant_totals(counters: dict[str, float]) -> dict[str, dict[str, float]]:
