@@ -129,6 +129,15 @@ class Keys:
         return f"{self.base}:usage:{hour}"
 
     @property
+    def fair(self) -> str:
+        """Hash of the tenants' fair turns (scheduler/fairness.py): each tenant's
+        clock per priority level (``c|<level>|<tenant>``), its usual output
+        tokens (``s|<tenant>``) and the engine's measured rate (``rate``). Bound:
+        a clock is dropped by the janitor once it has passed; the others are one
+        per tenant."""
+        return f"{self.base}:fair"
+
+    @property
     def webhooks_due(self) -> str:
         """Sorted set of webhook event ids scored by their next delivery attempt (a
         sender claims one by moving its score past its lease). Bound: an event

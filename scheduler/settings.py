@@ -292,6 +292,13 @@ class Settings(BaseSettings):
         description="Lines of one batch waiting or running at a time; the rest wait in the "
         "batch, so a large batch neither fills the queue nor ages ahead of interactive work.",
     )
+    fair_share: bool = Field(
+        True,
+        description="Tenants (the keys file's, or each key of PARKQ_API_KEYS) take turns by "
+        "weight among the jobs waiting at one priority level: a tenant that sends many jobs "
+        "at once pushes its own later jobs back, not other tenants'. Off: first come, first "
+        "served within a level. Without keys there is one tenant and nothing changes.",
+    )
     result_ttl: int = Field(
         86400, ge=1, description="Seconds a finished job's record and result are kept."
     )

@@ -12,7 +12,7 @@ limits its requests meet; the keys of ``PARKQ_API_KEYS`` (and
     max_priority = "batch"           # a request above it runs at it (and is told so)
     tokens_per_minute = 60000        # prompt + max output tokens, admitted per minute
     upload_bytes = 104857600         # its uploaded files together (else PARKQ_FILES_MAX_BYTES)
-    weight = 2                       # its batches take twice the turns of a weight-1 tenant's
+    weight = 2                       # twice the turns of a weight-1 tenant's at each level
 
     [tenants.ops]
     keys = ["sk-ops"]
@@ -45,8 +45,9 @@ class KeyPolicy:
     tokens_per_minute: int | None = None
     #: Its uploaded files together, in bytes (None: PARKQ_FILES_MAX_BYTES; 0: no limit).
     upload_bytes: int | None = None
-    #: Its share beside other tenants' batches: each of its batches keeps
-    #: ``weight`` times PARKQ_BATCH_WINDOW lines waiting or running.
+    #: Its share beside other tenants at one priority level: its fair turns
+    #: (scheduler/fairness.py) and each of its batches' lines waiting or
+    #: running (``weight`` times PARKQ_BATCH_WINDOW).
     weight: float = 1.0
 
 

@@ -121,8 +121,9 @@ def _enqueue(
     runtime.rq.create(job_id, f"{gen.kind} {len(gen.prompt_ids)}+{gen.max_tokens} tokens")
     try:
         runtime.store.enqueue(
-            job_id, gen.kind, gen.to_json(), level, time.time(), who.tenant, extra
-        )
+            job_id, gen.kind, gen.to_json(), level, time.time(), who.tenant, extra,
+            weight=who.policy.weight,
+        )  # fmt: skip
     except QueueFull:
         runtime.rq.delete(job_id)
         limit = runtime.settings.max_queue

@@ -176,6 +176,7 @@ def create_batch() -> Any:
     if policy.weight != 1.0:  # its share: its lines waiting or running at a time
         lines = current().settings.batch_window
         keep["window"] = str(max(1, round(lines * policy.weight)))
+        keep["weight"] = repr(policy.weight)  # and its fair turns at its level
     record = {
         "id": batch_id,
         "endpoint": req.endpoint,

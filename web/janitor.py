@@ -31,6 +31,7 @@ from flask import Flask
 from jobs.store.batches import BatchStore
 from jobs.store.scheduling import Store
 from jobs.store.telemetry import as_text
+from scheduler import fairness
 from scheduler.state import JobState
 from web.responses import result_of
 
@@ -49,6 +50,20 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.call('HSET', KEYS[1], 'result', ARGV[1])
 end
 return 0
+"""
+#: Drops the tenants' fair clocks that have passed (a clock behind now counts as
+#: now), and sets the engine's measured rate (ARGV[2]; '' keeps it).
+_FAIR_SWEEP = """
+local now = tonumber(ARGV[1])
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  if string.sub(all[i], 1, 2) == 'c|'
+      and (tonumber(string.match(all[i + 1], '^%S+')) or 0) < now then
+    redis.call('HDEL', KEYS[1], all[i])
+  end
+end
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'rate', ARGV[2]) end
+return #all / 2
 """
 #: The longest wait between two sweeps after failed ones.
 BACKOFF_SECONDS = 30.0
@@ -140,6 +155,8 @@ class Janitor:
         self.settings = runtime.settings
         self._sweeps = 0
         self._thread: threading.Thread | None = None
+        #: At the last sweep: when, the output tokens counted, whether jobs ran.
+        self._engine: tuple[float, int, bool] | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="parkq-janitor", daemon=True)
@@ -168,6 +185,7 @@ class Janitor:
             return None
         swept = Swept(compact_ended(self.store, self.settings.replay_seconds))
         self._feed_waiting()
+        self._fair()
         self._sweeps += 1
         if self._sweeps % BATCH_EVERY == 1:
             swept.batches = self._batches()
@@ -184,6 +202,27 @@ class Janitor:
             batch_id = as_text(raw)
             self.store.r.zrem(k.batches_waiting, batch_id)  # fed again below, or noted again
             batches.feed(batch_id)
+
+    def _fair(self) -> None:
+        """Measure the engine's rate for the fair turns (scheduler/fairness.py)
+        between two sweeps during which jobs ran, and drop the clocks that
+        have passed."""
+        k = self.store.keys
+        with self.store.r.pipeline(transaction=False) as p:
+            p.hget(k.counters, "tokens")
+            p.zcard(k.running)
+            p.hget(k.fair, "rate")
+            raw_tokens, running, raw_rate = p.execute()
+        now, tokens, busy = time.time(), int(raw_tokens or 0), int(running) > 0
+        last, self._engine = self._engine, (now, tokens, busy)
+        rate = ""
+        if last is not None and last[2] and busy and tokens >= last[1]:
+            got = fairness.next_rate(
+                float(raw_rate) if raw_rate else None, tokens - last[1], now - last[0]
+            )
+            if got is not None:
+                rate = repr(max(got, fairness.MIN_RATE))
+        self.store.r.eval(_FAIR_SWEEP, 1, k.fair, repr(now), rate)
 
     def _batches(self) -> int:
         """Bring every open batch up to date as a read would; how many were open."""

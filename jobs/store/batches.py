@@ -395,12 +395,13 @@ class BatchStore:
         """Top the batch's window up from its pending lines (at the level and
         token rate its tenant had when it was created); how many were queued."""
         now = time.time() if now is None else now
-        owner, level, rate, window = self.r.hmget(self.keys.batch(batch_id), "owner", "level",
-                                                  "tokens_per_minute", "window")  # fmt: skip
+        owner, level, rate, window, weight = self.r.hmget(
+            self.keys.batch(batch_id), "owner", "level", "tokens_per_minute", "window", "weight"
+        )
         score = self.store.policy.score(int(level) if level else BATCH_LEVEL, now)
         size = int(window) if window else self.settings.batch_window  # its tenant's weight
         fed = self.store.feed_batch(batch_id, size, score, now, as_text(owner or b""),
-                                    int(rate or 0))  # fmt: skip
+                                    int(rate or 0), float(weight or 1.0))  # fmt: skip
         return int(fed)
 
     def items(self, batch_id: str) -> Iterator[Item]:

@@ -22,6 +22,7 @@ from jobs.store.events import DONE, error_event
 from jobs.store.identity import ModelIdentity
 from jobs.store.registry import WorkerRegistry
 from jobs.store.telemetry import Telemetry, as_text, bucket_of, lua_script
+from scheduler import fairness
 from scheduler.keys import Keys
 from scheduler.policy import Policy
 from scheduler.preempt import PreemptPolicy, Runner, choose_victim
@@ -328,6 +329,9 @@ class Store:
             "tokens": "0",
             "exec": "0",
             "preemptions": "0",
+            # What its fair turn expects of it (scheduler/fairness.py).
+            "prompt_n": str(len(request.get("prompt_ids", ()))),
+            "max_out": str(int(request.get("max_tokens", 0) or 0)),
             **({"model_digest": self.model.digest} if self.model else {}),
             **({"owner": owner} if owner else {}),
         }
@@ -341,17 +345,21 @@ class Store:
         now: float,
         owner: str = "",
         extra: dict[str, str] | None = None,
+        weight: float = 0.0,
     ) -> bool:
         """Store a new job and make it wait; False if the id is taken. With
         PARKQ_DURABLE_REPLICAS, returns once that many replicas hold it (or the
         wait is over: :meth:`durable`). ``extra``: more fields of its record
-        (a response's own: web/responses_api.py)."""
+        (a response's own: web/responses_api.py). ``weight``: its tenant's, for
+        its fair turn among the tenants at its level (0: none; first come, first
+        served: scheduler/fairness.py)."""
         fields = {**self.job_fields(job_id, kind, request, level, now, owner), **(extra or {})}
         score = fields["score"]
         flat = [x for kv in fields.items() for x in kv]
         k = self.keys
-        keys = [k.job(job_id), k.queue, k.wake]
-        args = [job_id, score, repr(now), self.settings.max_queue, *flat]
+        keys = [k.job(job_id), k.queue, k.wake, k.fair]
+        args = [job_id, score, repr(now), self.settings.max_queue,
+                *self._fair_args(weight if owner else 0.0), *flat]  # fmt: skip
         if self._waiting():
             with self.r.pipeline(transaction=False) as p:
                 self._scripts["enqueue"](keys=keys, args=args, client=p)
@@ -402,11 +410,19 @@ class Store:
                 continue
         return out
 
+    def _fair_args(self, weight: float) -> list[Any]:
+        """The fair turn's arguments of enqueue.lua and feed.lua: the tenant's
+        weight (0 when fair turns are off), the aging rate, the defaults."""
+        on = self.settings.fair_share and weight > 0
+        return [repr(weight if on else 0.0), repr(self.policy.aging_rate),
+                fairness.DEFAULT_OUTPUT, repr(fairness.DEFAULT_RATE)]  # fmt: skip
+
     def feed_batch(self, batch_id: str, window: int, score: float, now: float,
-                   owner: str = "", per_minute: int = 0) -> int:  # fmt: skip
+                   owner: str = "", per_minute: int = 0, weight: float = 0.0) -> int:  # fmt: skip
         """Queue a batch's pending lines (at ``score``) until ``window`` of them
         are live, each as far as its tenant ``owner``'s token bucket takes it
-        (``per_minute``: its rate; 0: none); how many were queued."""
+        (``per_minute``: its rate; 0: none) and at its fair turn (``weight``: the
+        tenant's; 0: none); how many were queued."""
         k = self.keys
         fed = self._run(
             "feed",
@@ -418,6 +434,7 @@ class Store:
                 k.wake,
                 k.bucket(owner),
                 k.batches_waiting,
+                k.fair,
             ],
             [
                 repr(now),
@@ -427,6 +444,7 @@ class Store:
                 _states(*LIVE),
                 k.pending_prefix,
                 per_minute,
+                *self._fair_args(weight if owner else 0.0),
             ],
         )
         return int(fed)
@@ -759,6 +777,7 @@ class Store:
                 k.running,
                 k.counters,
                 k.usage(hour),
+                k.fair,
             ],
             [
                 exec_token,

@@ -1,6 +1,8 @@
 -- Enqueue a new job atomically: job hash, waiting set, wake-up.
--- KEYS: job hash, queue zset, wake list
--- ARGV: id, score, created_at, queue limit (0: none), field, value, ...
+-- KEYS: job hash, queue zset, wake list, fair hash (see lib.lua's fair_start)
+-- ARGV: id, score for now, now, queue limit (0: none), the tenant's weight
+--       (0: no fair turn), aging rate, default output tokens, default rate,
+--       field, value, ...
 -- Returns 1 when enqueued, 0 when the id is taken, -1 when the queue is full.
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
@@ -9,8 +11,13 @@ local limit = tonumber(ARGV[4])
 if limit > 0 and redis.call('ZCARD', KEYS[2]) >= limit then
   return -1
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5))
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 9))
+local now = tonumber(ARGV[3])
+local start = fair_start(KEYS[4], KEYS[1], now, tonumber(ARGV[5]), tonumber(ARGV[7]),
+                         tonumber(ARGV[8]))
+local score = fair_score(ARGV[2], ARGV[6], start, now)
+redis.call('HSET', KEYS[1], 'score', score)
+redis.call('ZADD', KEYS[2], score, ARGV[1])
 redis.call('LPUSH', KEYS[3], ARGV[1])
 redis.call('LTRIM', KEYS[3], 0, 63)
 return 1

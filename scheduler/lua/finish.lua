@@ -1,7 +1,8 @@
 -- End a job's execution in a terminal state, with its last events.
 -- A finished job's usage (its `usage` field) is counted for its tenant.
+-- Its output tokens move its tenant's usual output (lib.lua's fair_output).
 -- KEYS: job hash, events stream, worker hash, running zset, counters hash,
---       this hour's usage hash
+--       this hour's usage hash, the fair hash
 -- ARGV: execution token, channel, target state, allowed source states
 --       (comma separated), now, ttl, worker name, sequence number of the first
 --       payload (0: right after the stream's last event), number of
@@ -43,6 +44,7 @@ if ARGV[3] == S.finished and KEYS[6] then
     count_usage(KEYS[6], KEYS[5], KEYS[1], 'completion', tonumber(u['completion_tokens']),
                 usage_ttl)
     count_usage(KEYS[6], KEYS[5], KEYS[1], 'requests', 1, usage_ttl)
+    fair_output(KEYS[7], KEYS[1], tonumber(u['completion_tokens']))
   end
 elseif KEYS[6] then  -- cancelled or failed: what it generated all the same
   count_usage(KEYS[6], KEYS[5], KEYS[1], 'unfinished', tokens_after, usage_ttl)

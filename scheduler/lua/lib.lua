@@ -135,3 +135,63 @@ local function count_usage(hour, counters, job, what, n, ttl)
   redis.call('EXPIRE', hour, ttl)
   redis.call('HINCRBY', counters, 'usage|' .. who .. '|' .. what, n)
 end
+
+-- Fair turns between tenants at one priority level (scheduler/fairness.py).
+-- Each tenant has a clock per level (field `c|<level>|<tenant>` of the fair
+-- hash, '<clock> <id of the job that set it>'): when its last job there is due
+-- to have had its share of the engine. A new job starts at that clock, or now
+-- if it is later or if that last job no longer waits (the tenant has nothing
+-- waiting at the level: what it was charged has been served or let go), and
+-- moves the clock on by what it is expected to take (its prompt and the
+-- tenant's usual output, at most its max_tokens) over the tenant's share
+-- (weight) of the engine's measured rate (field `rate`, written by the
+-- janitor: tokens per second while busy). Its score is the score of a job of
+-- its level arriving at that start. A tenant's own jobs keep their order; a
+-- tenant that floods a level pushes its later jobs back, not other tenants'.
+-- Weight 0: no fair turn (its score is now's).
+local function fair_start(fair, job, now, weight, default_out, default_rate)
+  if weight <= 0 then return now end
+  local owner = redis.call('HGET', job, 'owner') or ''
+  local level = redis.call('HGET', job, 'priority') or '0'
+  local field = 'c|' .. level .. '|' .. owner
+  local got = redis.call('HMGET', fair, field, 's|' .. owner, 'rate')
+  local start = now
+  if got[1] then
+    local clock, last = string.match(got[1], '^(%S+) (.*)$')
+    clock = tonumber(clock)
+    if clock and clock > now then
+      local state = redis.call('HGET', string.match(job, '^(.-:job:)') .. last, 'state')
+      if state == S.queued or state == S.parked then start = clock end
+    end
+  end
+  local out = tonumber(got[2]) or default_out
+  local rate = tonumber(got[3]) or default_rate
+  if rate <= 0 then rate = default_rate end
+  local most = tonumber(redis.call('HGET', job, 'max_out') or '') or 0
+  if most > 0 then out = math.min(out, most) end
+  local prompt = tonumber(redis.call('HGET', job, 'prompt_n') or '0') or 0
+  local spend = (prompt + math.max(1, out)) / (weight * rate)
+  redis.call('HSET', fair, field,
+             string.format('%.17g', start + spend) .. ' ' .. redis.call('HGET', job, 'id'))
+  redis.call('HSET', job, 'fair_start', string.format('%.17g', start))
+  return start
+end
+
+-- The score of a job of the level whose score now is `score_now` (a string)
+-- arriving at `start` instead, as a string (of full precision: Lua's own
+-- number-to-string conversion keeps 14 digits, a tenth of a millisecond).
+local function fair_score(score_now, aging, start, now)
+  if start == now then return score_now end
+  return string.format('%.17g', tonumber(score_now) + tonumber(aging) * (start - now))
+end
+
+-- A finished job's output tokens move its tenant's usual output (an average
+-- that weighs the last 5 jobs or so), what fair_start expects of the next.
+local function fair_output(fair, job, completion)
+  if not fair or not completion then return end
+  local field = 's|' .. (redis.call('HGET', job, 'owner') or '')
+  local old = tonumber(redis.call('HGET', fair, field) or '')
+  local new = completion
+  if old then new = 0.8 * old + 0.2 * completion end
+  redis.call('HSET', fair, field, tostring(new))
+end

@@ -269,3 +269,66 @@ def test_a_small_batch_beside_a_large_one_takes_turns_not_its_place_in_line(
 def test_weights_2_to_1_give_batches_a_2_to_1_share(base: str, tmp_path: Path) -> None:
     shares = _shares(_run_batches(base, tmp_path, {HEAVY: 240, PLAIN: 120}))
     assert 1.8 <= shares[HEAVY] / shares[PLAIN] <= 2.2, shares
+
+
+def _flood(base: str, key: str, n: int, max_tokens: int, ids: list[str]) -> list[threading.Thread]:
+    """``n`` streamed requests of ``key`` at batch priority, sent at once from
+    threads; each job's id is added to ``ids`` as soon as it is queued."""
+    body = {"model": "tiny", "prompt": "Flood", "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "priority": "batch", "stream": True}  # fmt: skip
+
+    def one() -> None:
+        got = requests.post(base + "/v1/completions", json=body, timeout=300, stream=True,
+                            headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+        assert got.status_code == 200, got.text
+        ids.append(got.headers["X-Job-Id"])
+        assert b"data: [DONE]" in b"".join(got.iter_content(None))
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _records(base: str, ids: list[str]) -> list[dict[str, Any]]:
+    return [_get(base, OPS, f"/v1/jobs/{job_id}").json() for job_id in ids]
+
+
+def _queued(base: str, ids: list[str]) -> int:
+    return sum(r["state"] == "queued" for r in _records(base, list(ids)))
+
+
+def test_one_request_of_a_tenant_does_not_wait_behind_another_tenants_flood(base: str) -> None:
+    flood: list[str] = []
+    threads = _flood(base, PLAIN, 40, 400, flood)
+    wait_until(lambda: _queued(base, flood) >= 20, timeout=60)
+    ahead = _queued(base, flood)
+    # One request of another tenant at the same level, while 20+ of the flood wait.
+    body = {"model": "tiny", "prompt": "Just one", "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0, "priority": "batch"}  # fmt: skip
+    one = requests.post(base + "/v1/completions", json=body, timeout=300,
+                        headers={"Authorization": f"Bearer {CAPPED}"})  # fmt: skip
+    assert one.status_code == 200, one.text
+    for t in threads:
+        t.join(timeout=300)
+    assert len(flood) == 40
+    started = _records(base, [one.json()["id"]])[0]["started_at"]
+    after = sum(r["started_at"] > started for r in _records(base, flood))
+    # First come, first served would run it after all of them (after == 0);
+    # with fair turns most of those waiting when it came run after it.
+    print(f"{after} of the {ahead} waiting ran after it")
+    assert after >= ahead // 2, (after, ahead)
+
+
+def test_weights_2_to_1_give_single_requests_a_2_to_1_share_of_tokens(base: str) -> None:
+    ids: dict[str, list[str]] = {HEAVY: [], PLAIN: []}
+    threads = [t for key in ids for t in _flood(base, key, 45, 40, ids[key])]
+    for t in threads:
+        t.join(timeout=300)
+    jobs = {key: _records(base, got) for key, got in ids.items()}
+    assert all(len(js) == 45 for js in jobs.values())
+    start = max(min(j["started_at"] for j in js) for js in jobs.values())
+    end = min(max(j["finished_at"] for j in js) for js in jobs.values())
+    tokens = {key: sum(j["tokens"] for j in js if start <= j["started_at"] < end)
+              for key, js in jobs.items()}  # fmt: skip
+    assert 1.8 <= tokens[HEAVY] / tokens[PLAIN] <= 2.2, tokens

@@ -1,5 +1,6 @@
-"""What tenants' limits cost Redis: the claim script with 10,000 queued jobs of
-100 tenants, and the batch feed script with and without a tenant's token rate.
+"""What tenants' limits cost Redis: the enqueue and claim scripts with 10,000
+queued jobs of 100 tenants, with fair turns and without, and the batch feed
+script with and without a tenant's token rate.
 
     python -m tools.bench.tenants [--jobs 10000] [--tenants 100] [--claims 2000]
         [--feeds 2000] [--out FILE.json]
@@ -7,11 +8,12 @@
 Starts one `redis-server` (loopback) and drives parkq's own scripts
 (jobs/store/scheduling.py) with no engine:
 
-- **claim**: ``--jobs`` waiting jobs at one level (and ``--claims`` more),
-  owned round robin by ``--tenants`` tenants; ``--claims`` claims, each by a
-  sequence of its own. Batches' turns by weight need nothing of the
-  claim (a batch's window is its tenant's weight, applied where lines are
-  fed), so this is the claim every job pays, with tenants or without.
+- **enqueue and claim**: ``--jobs`` waiting jobs at one level (and
+  ``--claims`` more), owned round robin by ``--tenants`` tenants, enqueued
+  with fair turns (weight 1: scheduler/fairness.py) and again without
+  (PARKQ_FAIR_SHARE off); ``--claims`` claims, each by a sequence of its own.
+  Fair turns are taken where a job is enqueued (its score), so the claim
+  reads the same queue either way.
 - **feed**: a batch of ``--feeds`` lines fed one at a time (each fed line then
   marked ended, as a worker would end it), once with no token rate and once
   with one that never runs dry: the rate's own cost per fed line.
@@ -40,15 +42,18 @@ def _redis_us(r: redis.Redis) -> float:
     return round(float(stats.get("usec_per_call", 0.0)), 2)
 
 
-def claim_cost(url: str, jobs: int, tenants: int, claims: int) -> dict[str, Any]:
+def claim_cost(url: str, jobs: int, tenants: int, claims: int, fair: bool) -> dict[str, Any]:
     settings = load_settings(redis_url=url, key_prefix="claims", queue_name="claims",
-                             max_queue=10**7)  # fmt: skip
+                             max_queue=10**7, fair_share=fair)  # fmt: skip
     r = redis.Redis.from_url(url)
     store = Store(r, settings)
+    request = {"prompt_ids": [1] * 10, "max_tokens": 64}
     # Enough that the queue holds ``jobs`` or more through every claim.
+    r.config_resetstat()
     for i in range(jobs + claims):
-        store.enqueue(f"j-{i}", "completion", {"prompt": "x"}, 0, time.time(),
-                      owner=f"tenant-{i % tenants}")  # fmt: skip
+        store.enqueue(f"j-{i}", "completion", request, 0, time.time(),
+                      owner=f"tenant-{i % tenants}", weight=1.0)  # fmt: skip
+    enqueue_us = _redis_us(r)
     r.config_resetstat()
     walls = []
     for c in range(claims):
@@ -60,9 +65,11 @@ def claim_cost(url: str, jobs: int, tenants: int, claims: int) -> dict[str, Any]
     r.delete(*r.keys("{claims}*") or ["none"])
     walls.sort()
     return {
+        "fair_share": fair,
         "queued_at_least": jobs,
         "tenants": tenants,
         "claims": claims,
+        "redis_us_per_enqueue": enqueue_us,
         "redis_us_per_claim": us,
         "client_ms_p50": round(1000 * walls[len(walls) // 2], 3),
         "client_ms_p99": round(1000 * walls[int(len(walls) * 0.99)], 3),
@@ -111,8 +118,10 @@ def main() -> None:
     args = ap.parse_args()
     with scratch_redis("tenants") as url:
         version = redis.Redis.from_url(url).info("server")["redis_version"]
-        claim = claim_cost(url, args.jobs, args.tenants, args.claims)
-        print(json.dumps(claim), flush=True)
+        claim = [claim_cost(url, args.jobs, args.tenants, args.claims, fair)
+                 for fair in (True, False, True, False)]  # fmt: skip
+        for row in claim:
+            print(json.dumps(row), flush=True)
         feeds = [feed_cost(url, args.feeds, rate) for rate in (0, 10**9)]
         for row in feeds:
             print(json.dumps(row), flush=True)

@@ -1,0 +1,231 @@
+"""Fair turns between tenants at one level (scheduler/fairness.py), on fakeredis
+with parkq's own enqueue, feed, claim and finish scripts: what order the claims
+come in. Against real processes and real llama.cpp: tests/integration/test_limits.py."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import fakeredis
+import pytest
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
+from jobs.store.scheduling import Store
+from scheduler import fairness
+from scheduler.settings import Settings
+from scheduler.state import JobState
+from tests.fakes import FakeVocab
+from web.app import create_app
+from web.janitor import Janitor
+
+T0 = 1_800_000_000.0
+
+
+def _request(prompt: int = 10, max_tokens: int = 100) -> dict[str, object]:
+    return {"prompt_ids": list(range(prompt)), "max_tokens": max_tokens}
+
+
+def _put(store: Store, job_id: str, owner: str, at: float, weight: float = 1.0,
+         level: int = 0, **request: int) -> None:  # fmt: skip
+    assert store.enqueue(job_id, "completion", _request(**request), level, at, owner=owner,
+                         weight=weight)  # fmt: skip
+
+
+def _claims(store: Store, n: int, at: float, by: str = "w") -> list[str]:
+    """Up to ``n`` claims, each by a sequence of its own (named ``by`` and a number)."""
+    out = []
+    for i in range(n):
+        claim = store.claim(f"{by}{i}", at)
+        if claim is None:
+            break
+        out.append(claim.job_id)
+    return out
+
+
+def test_a_tenants_flood_does_not_hold_back_another_tenants_one_request(store: Store) -> None:
+    for i in range(50):
+        _put(store, f"a{i}", "alpha", T0 + i * 0.001)
+    _put(store, "b0", "beta", T0 + 1.0)
+    order = _claims(store, 51, T0 + 2)
+    # Each of alpha's jobs is expected to take 110 tokens at the default 50
+    # tokens per second: alpha's second job is due 2.2 s after its first, so
+    # beta's request, a second after alpha's flood, runs second of 51.
+    assert order.index("b0") == 1
+    # alpha's own jobs keep their order.
+    assert [j for j in order if j.startswith("a")] == [f"a{i}" for i in range(50)]
+
+
+def test_without_fair_turns_the_one_request_waits_behind_the_flood(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    store = Store(fake_redis, settings.model_copy(update={"fair_share": False}))
+    for i in range(50):
+        _put(store, f"a{i}", "alpha", T0 + i * 0.001)
+    _put(store, "b0", "beta", T0 + 1.0)
+    assert _claims(store, 51, T0 + 2)[-1] == "b0"
+
+
+def test_a_tenant_whose_flood_has_run_starts_afresh(store: Store) -> None:
+    for i in range(50):
+        _put(store, f"a{i}", "alpha", T0)
+    assert len(_claims(store, 50, T0 + 1)) == 50  # all of it runs (or ran)
+    # Its clock still says 110 s ahead (50 jobs of 2.2 s), but nothing of it
+    # waits: its next request ranks as a newcomer's, before beta's later one.
+    _put(store, "a-next", "alpha", T0 + 2)
+    _put(store, "b0", "beta", T0 + 3)
+    assert _claims(store, 2, T0 + 4, by="v") == ["a-next", "b0"]
+
+
+def test_a_cancelled_flood_gives_its_turns_back(store: Store) -> None:
+    for i in range(50):
+        _put(store, f"a{i}", "alpha", T0)
+    for i in range(50):
+        store.cancel(f"a{i}", T0 + 1)
+    _put(store, "a-next", "alpha", T0 + 2)
+    _put(store, "b0", "beta", T0 + 3)
+    assert _claims(store, 2, T0 + 4) == ["a-next", "b0"]
+
+
+def test_weights_two_to_one_take_turns_two_to_one(store: Store) -> None:
+    for i in range(40):
+        _put(store, f"a{i}", "alpha", T0, weight=2.0)
+        _put(store, f"b{i}", "beta", T0, weight=1.0)
+    first = Counter(j[0] for j in _claims(store, 30, T0 + 1))
+    assert abs(first["a"] - 20) <= 1 and abs(first["b"] - 10) <= 1
+
+
+def test_a_tenants_turns_count_tokens_not_requests(store: Store) -> None:
+    # alpha's jobs are expected to take 10x beta's (1,100 tokens against 110):
+    # beta takes 10 turns to alpha's one.
+    for i in range(30):
+        _put(store, f"a{i}", "alpha", T0, prompt=1000, max_tokens=100)
+        _put(store, f"b{i}", "beta", T0, prompt=10, max_tokens=100)
+    first = Counter(j[0] for j in _claims(store, 22, T0 + 1))
+    assert first["a"] == 2 and first["b"] == 20
+
+
+def test_levels_still_come_first(store: Store) -> None:
+    for i in range(20):
+        _put(store, f"a{i}", "alpha", T0, level=10)
+    _put(store, "b0", "beta", T0 + 1, level=0)
+    order = _claims(store, 21, T0 + 2)
+    # alpha's 20 interactive jobs are due within 44 s of their arrival, less
+    # than the 600 s that 10 levels are worth: all of them run before beta's batch job.
+    assert order[-1] == "b0"
+
+
+def test_a_tenants_clock_is_per_level(store: Store) -> None:
+    for i in range(20):
+        _put(store, f"a{i}", "alpha", T0, level=0)
+    _put(store, "a-int", "alpha", T0 + 1, level=10)
+    _put(store, "b0", "beta", T0 + 1, level=0)
+    order = _claims(store, 22, T0 + 2)
+    assert order[:3] == ["a-int", "a0", "b0"]
+
+
+@pytest.mark.parametrize("owner,weight", [("", 1.0), ("alpha", 0.0)])
+def test_no_tenant_or_no_weight_scores_as_before(store: Store, owner: str, weight: float) -> None:
+    at = T0 + 0.123456789
+    for i in range(3):
+        _put(store, f"j{i}", owner, at, weight=weight)
+        raw = store.r.hget(store.keys.job(f"j{i}"), "score")
+        assert raw is not None and raw.decode() == repr(store.policy.score(0, at))
+    assert store.r.hlen(store.keys.fair) == 0
+
+
+def test_a_tenant_with_nothing_waiting_scores_as_before(store: Store) -> None:
+    _put(store, "a0", "alpha", T0)
+    _put(store, "b0", "beta", T0 + 5.0)
+    raw = store.r.hget(store.keys.job("b0"), "score")
+    assert raw is not None and raw.decode() == repr(store.policy.score(0, T0 + 5.0))
+
+
+def test_a_finished_jobs_output_becomes_the_tenants_usual_output(store: Store) -> None:
+    _put(store, "a0", "alpha", T0, max_tokens=1000)
+    claim = store.claim("w0", T0)
+    assert claim is not None
+    usage = json.dumps({"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30})
+    store.finish("a0", claim.exec_token, "w0", JobState.FINISHED, {"usage": usage}, 0, [], T0)
+    assert float(store.r.hget(store.keys.fair, "s|alpha") or 0) == 20.0
+    # The next two jobs are expected to take 10 + 20 tokens each (not 10 + 256).
+    _put(store, "a1", "alpha", T0 + 1, max_tokens=1000)
+    _put(store, "a2", "alpha", T0 + 1, max_tokens=1000)
+    starts = [float(store.r.hget(store.keys.job(j), "fair_start") or 0) for j in ("a1", "a2")]
+    assert starts[1] - starts[0] == pytest.approx(30 / fairness.DEFAULT_RATE)
+
+
+def test_batch_lines_take_their_tenants_turns(store: Store) -> None:
+    k = store.keys
+    for owner, n in (("alpha", 40), ("beta", 4)):
+        ids = [f"{owner}-{i}" for i in range(n)]
+        for job_id in ids:
+            fields = store.job_fields(job_id, "completion", _request(), 0, T0, owner)
+            store.r.hset(k.pending(job_id), mapping={**fields, "batch": owner})
+        store.r.rpush(k.batch_pending(owner), *ids)
+        store.r.hset(k.batch(owner), mapping={"id": owner, "status": "in_progress"})
+    assert store.feed_batch("alpha", 40, store.policy.score(0, T0), T0, "alpha", 0, 1.0) == 40
+    assert store.feed_batch("beta", 4, store.policy.score(0, T0 + 1), T0 + 1, "beta", 0, 1.0) == 4
+    order = _claims(store, 44, T0 + 2)
+    # beta's 4 lines, fed a second after alpha's 40, alternate with alpha's.
+    assert [order.index(f"beta-{i}") for i in range(4)] == [1, 3, 5, 7]
+
+
+def test_the_janitor_measures_the_rate_and_drops_passed_clocks(
+    fake_redis: fakeredis.FakeRedis, settings: Settings
+) -> None:
+    app = create_app(settings, vocab=FakeVocab(), client=fake_redis)
+    store: Store = app.extensions["parkq"].store
+    k = store.keys
+    now = time.time()
+    _put(store, "a0", "alpha", now - 100)  # its clock passed long ago
+    _put(store, "b0", "beta", now + 50)  # due in the future
+    assert store.claim("w0", now) is not None  # one job runs: the engine is busy
+    janitor = Janitor(app)
+    fake_redis.hset(k.counters, "tokens", 1000)
+    janitor._fair()
+    assert fake_redis.hget(k.fair, "rate") is None  # one sweep measures nothing yet
+    janitor._engine = (now - 10.0, 1000, True)
+    fake_redis.hset(k.counters, "tokens", 1400)
+    janitor._fair()
+    assert float(fake_redis.hget(k.fair, "rate") or 0) == pytest.approx(40.0, rel=0.05)
+    fields = {f.decode() for f in fake_redis.hkeys(k.fair)}
+    assert "c|0|alpha" not in fields and "c|0|beta" in fields
+
+
+@hsettings(max_examples=60, deadline=None)
+@given(
+    arrivals=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c"]),
+            st.floats(0, 20),
+            st.integers(1, 400),
+            st.sampled_from([0, 10]),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    weights=st.tuples(*[st.sampled_from([0.5, 1.0, 3.0])] * 3),
+)
+def test_any_arrivals_keep_each_tenants_order_and_lose_no_job(
+    arrivals: list[tuple[str, float, int, int]], weights: tuple[float, float, float]
+) -> None:
+    store = Store(fakeredis.FakeRedis(), Settings(redis_url="redis://fake", n_ctx=0))
+    weight = dict(zip("abc", weights, strict=True))
+    at = T0
+    sent: dict[tuple[str, int], list[str]] = {}
+    for i, (owner, gap, tokens, level) in enumerate(arrivals):
+        at += gap
+        job_id = f"{owner}{i}"
+        _put(store, job_id, owner, at, weight=weight[owner], level=level, max_tokens=tokens)
+        sent.setdefault((owner, level), []).append(job_id)
+        # A tenant with nothing else waiting at the level starts now.
+        if len(sent[(owner, level)]) == 1:
+            assert float(store.r.hget(store.keys.job(job_id), "fair_start") or 0) == at
+    order = _claims(store, len(arrivals) + 1, at + 1)
+    assert sorted(order) == sorted(j for ids in sent.values() for j in ids)
+    for ids in sent.values():
+        assert [j for j in order if j in set(ids)] == ids
