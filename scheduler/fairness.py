@@ -18,8 +18,12 @@ Invariants (tests/unit/test_fairness.py checks them against the Lua):
 - a tenant with nothing waiting starts at ``now``: a job of a tenant that
   sends one request is ranked as before, however many jobs another tenant sent;
 - two tenants that keep jobs waiting are served in proportion to their weights,
-  in expected tokens (a job's prompt plus the tenant's usual output, at most its
-  max_tokens: each finished job moves the usual output, see ``OUTPUT_WEIGHT``);
+  in expected tokens: a job's prompt and the larger of its tenant's usual output
+  and its tenant's usual share of max_tokens times its own, at most its
+  max_tokens (all of it before any of the tenant's jobs finished; each
+  finished job moves both averages, see ``OUTPUT_WEIGHT``). A size expected
+  too large, like a rate too low, spaces the tenant's own jobs further and
+  costs nothing within the level;
 - levels still order as before, and the starvation bound holds from a job's
   fair start (at most its arrival plus its tenant's earlier waiting work at the
   level over the tenant's share of the engine) instead of its arrival.
@@ -31,16 +35,28 @@ ones leaves the later ones where they were.
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_OUTPUT", "DEFAULT_RATE", "MIN_RATE", "OUTPUT_WEIGHT", "next_rate"]
+__all__ = [
+    "DEFAULT_OUTPUT",
+    "DEFAULT_RATE",
+    "MIN_RATE",
+    "OUTPUT_WEIGHT",
+    "SAFETY",
+    "next_rate",
+]
 
 #: Output tokens expected of a job of a tenant none of whose jobs finished yet.
 DEFAULT_OUTPUT = 256
-#: Engine tokens per second assumed until the janitor has measured one: low, so
-#: that a tenant's flood is spread out rather than left in front (a rate above
-#: the real one would rank a flood's later jobs before a newcomer's).
+#: Engine tokens per second turns are taken at until the janitor has measured
+#: the engine: low, as every rate used here is meant to be (see SAFETY).
 DEFAULT_RATE = 50.0
-#: The lowest rate the janitor writes (a busy minute of long prompts counts
-#: few output tokens).
+#: Turns are taken at this share of the measured rate. A rate above the real
+#: one spaces a flood's jobs closer than they run, so another tenant's request
+#: still finds most of the flood in front of it; one below spaces them further
+#: than needed, which costs nothing within a level (tenants that keep jobs
+#: waiting share by weight whatever the rate, and one with nothing waiting
+#: starts afresh) and only moves a flood's later jobs past other levels' sooner.
+SAFETY = 0.5
+#: The lowest rate the janitor writes.
 MIN_RATE = 5.0
 #: How much of a tenant's usual output one finished job makes (lib.lua's fair_output).
 OUTPUT_WEIGHT = 0.2
@@ -50,12 +66,11 @@ RATE_WEIGHT = 0.1
 
 
 def next_rate(rate: float | None, tokens: float, seconds: float) -> float | None:
-    """The engine's rate after a sweep during which jobs ran throughout and
-    ``tokens`` were generated in ``seconds``; ``rate``: the rate before (None:
-    none yet). The rate counts output tokens (they are written as they come);
-    a job's expected tokens count its prompt too, so a rate in output tokens
-    spreads a flood a little more than it takes (the safe side: see
-    DEFAULT_RATE)."""
+    """The engine's measured rate after a sweep during which jobs ran throughout
+    and jobs that ended counted ``tokens`` (their prompt and output) in
+    ``seconds``; ``rate``: the measure before (None: none yet). Counted as
+    jobs end, a job's tokens come in at once: a sweep with none counts too, and
+    the average over about ten sweeps smooths them out."""
     if seconds <= 0 or tokens < 0:
         return rate
     sample = tokens / seconds

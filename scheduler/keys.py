@@ -132,7 +132,8 @@ class Keys:
     def fair(self) -> str:
         """Hash of the tenants' fair turns (scheduler/fairness.py): each tenant's
         clock per priority level (``c|<level>|<tenant>``), its usual output
-        tokens (``s|<tenant>``) and the engine's measured rate (``rate``). Bound:
+        tokens (``s|<tenant>``), the engine's measured rate (``measured``) and
+        the rate turns are taken at (``rate``). Bound:
         a clock is dropped by the janitor once it has passed; the others are one
         per tenant."""
         return f"{self.base}:fair"

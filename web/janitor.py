@@ -52,7 +52,8 @@ end
 return 0
 """
 #: Drops the tenants' fair clocks that have passed (a clock behind now counts as
-#: now), and sets the engine's measured rate (ARGV[2]; '' keeps it).
+#: now), and sets the engine's measured rate (ARGV[2]; '' keeps it) and the
+#: rate turns are taken at (ARGV[3]).
 _FAIR_SWEEP = """
 local now = tonumber(ARGV[1])
 local all = redis.call('HGETALL', KEYS[1])
@@ -62,7 +63,7 @@ for i = 1, #all, 2 do
     redis.call('HDEL', KEYS[1], all[i])
   end
 end
-if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'rate', ARGV[2]) end
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'measured', ARGV[2], 'rate', ARGV[3]) end
 return #all / 2
 """
 #: The longest wait between two sweeps after failed ones.
@@ -155,7 +156,7 @@ class Janitor:
         self.settings = runtime.settings
         self._sweeps = 0
         self._thread: threading.Thread | None = None
-        #: At the last sweep: when, the output tokens counted, whether jobs ran.
+        #: At the last sweep: when, the engine tokens counted, whether jobs ran.
         self._engine: tuple[float, int, bool] | None = None
 
     def start(self) -> None:
@@ -209,20 +210,21 @@ class Janitor:
         have passed."""
         k = self.store.keys
         with self.store.r.pipeline(transaction=False) as p:
-            p.hget(k.counters, "tokens")
+            p.hget(k.counters, "engine_tokens")
             p.zcard(k.running)
-            p.hget(k.fair, "rate")
+            p.hget(k.fair, "measured")
             raw_tokens, running, raw_rate = p.execute()
         now, tokens, busy = time.time(), int(raw_tokens or 0), int(running) > 0
         last, self._engine = self._engine, (now, tokens, busy)
-        rate = ""
+        measured, rate = "", ""
         if last is not None and last[2] and busy and tokens >= last[1]:
             got = fairness.next_rate(
                 float(raw_rate) if raw_rate else None, tokens - last[1], now - last[0]
             )
             if got is not None:
-                rate = repr(max(got, fairness.MIN_RATE))
-        self.store.r.eval(_FAIR_SWEEP, 1, k.fair, repr(now), rate)
+                measured = repr(got)
+                rate = repr(max(got * fairness.SAFETY, fairness.MIN_RATE))
+        self.store.r.eval(_FAIR_SWEEP, 1, k.fair, repr(now), measured, rate)
 
     def _batches(self) -> int:
         """Bring every open batch up to date as a read would; how many were open."""

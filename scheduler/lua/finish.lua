@@ -45,9 +45,11 @@ if ARGV[3] == S.finished and KEYS[6] then
                 usage_ttl)
     count_usage(KEYS[6], KEYS[5], KEYS[1], 'requests', 1, usage_ttl)
     fair_output(KEYS[7], KEYS[1], tonumber(u['completion_tokens']))
+    engine_tokens(KEYS[5], (tonumber(u['prompt_tokens']) or 0) + (tonumber(u['completion_tokens']) or 0))
   end
 elseif KEYS[6] then  -- cancelled or failed: what it generated all the same
   count_usage(KEYS[6], KEYS[5], KEYS[1], 'unfinished', tokens_after, usage_ttl)
+  engine_tokens(KEYS[5], tokens_after)
 end
 end_job(KEYS[1], KEYS[2], ARGV[3], ARGV[5], ARGV[6])
 release_worker(KEYS[3], KEYS[4], ARGV[7], ARGV[1])

@@ -142,8 +142,8 @@ end
 -- to have had its share of the engine. A new job starts at that clock, or now
 -- if it is later or if that last job no longer waits (the tenant has nothing
 -- waiting at the level: what it was charged has been served or let go), and
--- moves the clock on by what it is expected to take (its prompt and the
--- tenant's usual output, at most its max_tokens) over the tenant's share
+-- moves the clock on by what it is expected to take (its prompt and an output
+-- as fair_output's averages expect, at most its max_tokens) over the tenant's share
 -- (weight) of the engine's measured rate (field `rate`, written by the
 -- janitor: tokens per second while busy). Its score is the score of a job of
 -- its level arriving at that start. A tenant's own jobs keep their order; a
@@ -154,7 +154,7 @@ local function fair_start(fair, job, now, weight, default_out, default_rate)
   local owner = redis.call('HGET', job, 'owner') or ''
   local level = redis.call('HGET', job, 'priority') or '0'
   local field = 'c|' .. level .. '|' .. owner
-  local got = redis.call('HMGET', fair, field, 's|' .. owner, 'rate')
+  local got = redis.call('HMGET', fair, field, 's|' .. owner, 'rate', 'f|' .. owner)
   local start = now
   if got[1] then
     local clock, last = string.match(got[1], '^(%S+) (.*)$')
@@ -168,7 +168,12 @@ local function fair_start(fair, job, now, weight, default_out, default_rate)
   local rate = tonumber(got[3]) or default_rate
   if rate <= 0 then rate = default_rate end
   local most = tonumber(redis.call('HGET', job, 'max_out') or '') or 0
-  if most > 0 then out = math.min(out, most) end
+  if most > 0 then
+    -- The larger of its usual output and its usual share of max_tokens, at
+    -- most max_tokens: a tenant whose jobs fill their max_tokens is expected to
+    -- fill a larger one too.
+    out = math.min(math.max(out, (tonumber(got[4]) or 1) * most), most)
+  end
   local prompt = tonumber(redis.call('HGET', job, 'prompt_n') or '0') or 0
   local spend = (prompt + math.max(1, out)) / (weight * rate)
   redis.call('HSET', fair, field,
@@ -185,13 +190,26 @@ local function fair_score(score_now, aging, start, now)
   return string.format('%.17g', tonumber(score_now) + tonumber(aging) * (start - now))
 end
 
--- A finished job's output tokens move its tenant's usual output (an average
--- that weighs the last 5 jobs or so), what fair_start expects of the next.
+-- The tokens an ended job took of the engine (its prompt and output; a
+-- cancelled or failed job's output), counted for the janitor's measure of
+-- the engine's rate (web/janitor.py).
+local function engine_tokens(counters, n)
+  if n and n > 0 then redis.call('HINCRBY', counters, 'engine_tokens', n) end
+end
+
+-- A finished job's output tokens move its tenant's usual output and its
+-- usual share of max_tokens (averages that weigh the last 5 jobs or so), what
+-- fair_start expects of the next.
 local function fair_output(fair, job, completion)
   if not fair or not completion then return end
-  local field = 's|' .. (redis.call('HGET', job, 'owner') or '')
-  local old = tonumber(redis.call('HGET', fair, field) or '')
-  local new = completion
-  if old then new = 0.8 * old + 0.2 * completion end
-  redis.call('HSET', fair, field, tostring(new))
+  local owner = redis.call('HGET', job, 'owner') or ''
+  local most = tonumber(redis.call('HGET', job, 'max_out') or '') or 0
+  local values = {{'s|' .. owner, completion}}
+  if most > 0 then values[2] = {'f|' .. owner, math.min(1, completion / most)} end
+  for _, v in ipairs(values) do
+    local old = tonumber(redis.call('HGET', fair, v[1]) or '')
+    local new = v[2]
+    if old then new = 0.8 * old + 0.2 * v[2] end
+    redis.call('HSET', fair, v[1], string.format('%.17g', new))
+  end
 end

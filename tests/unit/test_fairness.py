@@ -185,13 +185,15 @@ def test_the_janitor_measures_the_rate_and_drops_passed_clocks(
     _put(store, "b0", "beta", now + 50)  # due in the future
     assert store.claim("w0", now) is not None  # one job runs: the engine is busy
     janitor = Janitor(app)
-    fake_redis.hset(k.counters, "tokens", 1000)
+    fake_redis.hset(k.counters, "engine_tokens", 1000)
     janitor._fair()
     assert fake_redis.hget(k.fair, "rate") is None  # one sweep measures nothing yet
     janitor._engine = (now - 10.0, 1000, True)
-    fake_redis.hset(k.counters, "tokens", 1400)
+    fake_redis.hset(k.counters, "engine_tokens", 1400)
     janitor._fair()
-    assert float(fake_redis.hget(k.fair, "rate") or 0) == pytest.approx(40.0, rel=0.05)
+    assert float(fake_redis.hget(k.fair, "measured") or 0) == pytest.approx(40.0, rel=0.05)
+    # Turns are taken at half of it.
+    assert float(fake_redis.hget(k.fair, "rate") or 0) == pytest.approx(20.0, rel=0.05)
     fields = {f.decode() for f in fake_redis.hkeys(k.fair)}
     assert "c|0|alpha" not in fields and "c|0|beta" in fields
 
