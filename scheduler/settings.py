@@ -140,7 +140,7 @@ class Settings(BaseSettings):
         description="Every sequence gets, bit for bit, the tokens it would get alone: "
         "batched only as wide as these kernels allow (probed), several prompts in one "
         "prefill call and flash attention only on a CPU with parkq's llama.cpp and where "
-        "the probe certifies them, no repacked weights beside other sequences. Off: the "
+        "the probe certifies them, no repacked weights. Off: the "
         "fastest kernels llama.cpp has here (repacked weights, flash attention, any batch "
         "width, prompts prefilled together); priorities, parks and "
         "resumes all still work, but a run is no longer identical to one alone (what "

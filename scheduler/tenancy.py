@@ -13,6 +13,7 @@ limits its requests meet; the keys of ``PARKQ_API_KEYS`` (and
     tokens_per_minute = 60000        # prompt + max output tokens, admitted per minute
     upload_bytes = 104857600         # its uploaded files together (else PARKQ_FILES_MAX_BYTES)
     weight = 2                       # twice the turns of a weight-1 tenant's at each level
+    parks_others = "batch"           # parks other tenants' batch work, never their interactive work
 
     [tenants.ops]
     keys = ["sk-ops"]
@@ -49,6 +50,10 @@ class KeyPolicy:
     #: (scheduler/fairness.py) and each of its batches' lines waiting or
     #: running (``weight`` times PARKQ_BATCH_WINDOW).
     weight: float = 1.0
+    #: Which running work of other tenants its requests may park: "all" (any
+    #: lower level), or "batch" (only their batch-level work, at or below
+    #: ``batch``; their interactive work is left to finish its turn).
+    parks_others: str = "all"
 
 
 NO_LIMITS = KeyPolicy()
@@ -64,7 +69,7 @@ class TenantKey:
     policy: KeyPolicy = field(default=NO_LIMITS)
 
 
-_POLICY_FIELDS = {"max_priority", "tokens_per_minute", "upload_bytes", "weight"}
+_POLICY_FIELDS = {"max_priority", "tokens_per_minute", "upload_bytes", "weight", "parks_others"}
 _TENANT_FIELDS = _POLICY_FIELDS | {"keys", "admin"}
 
 
@@ -88,6 +93,11 @@ def _policy(table: dict[str, Any], where: str, base: KeyPolicy) -> KeyPolicy:
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise ValueError(f"{where}: weight must be a number above 0")
         values["weight"] = float(value)
+    if "parks_others" in table:
+        value = table["parks_others"]
+        if value not in ("all", "batch"):
+            raise ValueError(f'{where}: parks_others must be "all" or "batch"')
+        values["parks_others"] = value
     return KeyPolicy(**{**base.__dict__, **values})
 
 

@@ -120,6 +120,8 @@ def _enqueue(
     who = caller()
     runtime.rq.create(job_id, f"{gen.kind} {len(gen.prompt_ids)}+{gen.max_tokens} tokens")
     try:
+        if who.policy.parks_others != "all":  # (maybe_preempt reads it)
+            extra = {**(extra or {}), "parks_others": who.policy.parks_others}
         runtime.store.enqueue(
             job_id, gen.kind, gen.to_json(), level, time.time(), who.tenant, extra,
             weight=who.policy.weight,

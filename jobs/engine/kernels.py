@@ -240,20 +240,22 @@ def invariant_batch_size(engine: LlamaEngine, limit: int, cache_dir: str | None)
 def worker_kernels(settings: Settings) -> KernelChoice:
     """The kernel path a worker with ``settings`` takes (and so the bench's peers).
 
-    With several sequences per engine and PARKQ_EXACT on, ``auto`` takes the plain kernels even
-    where repacked weights work: the repacked matrix products switch to another
-    kernel (another summation order) from 4 rows on, so a sequence decoded
-    beside 3 others gets other logits than alone (measured on an AVX-512 CPU,
-    demo model: batch-invariant up to 3 sequences with repacked weights, up to 7
-    without, and a lone sequence decodes as fast either way)."""
+    With PARKQ_EXACT on, ``auto`` takes the plain kernels even where repacked
+    weights work, whatever the worker's width: the repacked matrix products
+    switch to another kernel (another summation order) from 4 rows on, so a
+    sequence decoded beside 3 others gets other logits than alone (measured on
+    an AVX-512 CPU, demo model: batch-invariant up to 3 sequences with repacked
+    weights, up to 7 without, and a lone sequence decodes as fast either way),
+    and a one-sequence worker on repacked weights computes other logits than a
+    wider one on plain weights, so a job that moves between them (a park taken
+    up by the other, a replay after a crash) would change its tokens."""
     choice = choose_kernels(settings.extra_buffers, settings.model or "", settings.cache_dir,
                             n_gpu_layers=settings.n_gpu_layers)  # fmt: skip
-    seqs = settings.max_seqs or 2  # unset: several (jobs/engine/capacity.py)
-    if choice.extra_buffers and seqs > 1 and settings.extra_buffers == "auto" and settings.exact:
+    if choice.extra_buffers and settings.extra_buffers == "auto" and settings.exact:
         return KernelChoice(
             False,
-            f"{seqs} sequences per engine: repacked weights are not "
-            f"batch-invariant ({choice.reason})",
+            "exact: repacked weights are not batch-invariant, and every exact worker of "
+            f"a model computes with the same kernels ({choice.reason})",
         )
     return choice
 

@@ -24,7 +24,7 @@ from jobs.store.registry import WorkerRegistry
 from jobs.store.telemetry import Telemetry, as_text, bucket_of, lua_script
 from scheduler import fairness
 from scheduler.keys import Keys
-from scheduler.policy import Policy
+from scheduler.policy import PRIORITY_LEVELS, Policy
 from scheduler.preempt import PreemptPolicy, Runner, choose_victim
 from scheduler.settings import Settings
 from scheduler.state import LIVE, TERMINAL, JobState, sources
@@ -606,9 +606,10 @@ class Store:
         with self.r.pipeline(transaction=False) as p:
             for raw_id, _ in head:
                 p.hmget(self.keys.job(as_text(raw_id)), "state", "ckpt_worker", "parked_at",
-                        "model_digest", "run_seconds")  # fmt: skip
+                        "model_digest", "run_seconds", "owner", "parks_others")  # fmt: skip
             records = p.execute()
-        for (_, score), (state, holder, parked_at, digest, ran) in zip(head, records, strict=True):
+        for (_, score), record in zip(head, records, strict=True):
+            state, holder, parked_at, digest, ran, owner, parks = record
             if state not in (b"queued", b"parked"):
                 continue  # a stale entry: the job ended or runs
             if mine is not None and digest is not None and digest != mine:
@@ -623,15 +624,33 @@ class Store:
             if bound:
                 held_by = as_text(holder)
                 only = [r for r, proc in zip(runners, procs, strict=True) if proc == held_by]
-                if not only:
-                    continue  # the holder is idle (it takes the job) or busy unpreemptibly
+                if parks == b"batch":
+                    only = self._parkable_by(owner or b"", only)
+                if not only:  # the holder is idle (it takes the job), busy unpreemptibly,
+                    continue  # or busy with what this job's tenant may not park
                 victim = choose_victim(self.preempt_policy, -float(score), only, 0, now)
                 if victim is None:
                     continue
                 return victim
+            if parks == b"batch":  # its tenant leaves other tenants' interactive work be
+                runners = self._parkable_by(owner or b"", runners)
             victim = choose_victim(self.preempt_policy, -float(score), runners, idle, now)
             return NO_ONE if victim is None else victim  # the best job anyone may take decides
         return None
+
+    def _parkable_by(self, owner: bytes, runners: list[Runner]) -> list[Runner]:
+        """Those of ``runners`` that a job of tenant ``owner`` whose policy parks
+        only other tenants' batch work may park: its own tenant's, and others'
+        at or below the batch level (scheduler/tenancy.py, parks_others)."""
+        with self.r.pipeline(transaction=False) as p:
+            for runner in runners:
+                p.hmget(self.keys.job(runner.job_id), "owner", "priority")
+            rows = p.execute()
+        return [
+            r
+            for r, (theirs, level) in zip(runners, rows, strict=True)
+            if (theirs or b"") == owner or int(level or 0) <= PRIORITY_LEVELS["batch"]
+        ]
 
     # -- worker side ------------------------------------------------------
 

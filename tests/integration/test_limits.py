@@ -1,13 +1,15 @@
 """Each key's limits and usage (PARKQ_KEYS_FILE, scheduler/tenancy.py) against a
 real `parkq up` (embedded Redis, web, worker, tiny model) and the openai client.
 
-Five tenants: ``plain`` (PARKQ_API_KEYS, the file's defaults: no limits),
+Tenants: ``plain`` (PARKQ_API_KEYS, the file's defaults: no limits),
 ``capped`` (at most batch priority), ``metered`` (600 tokens a minute, a
-1,000-byte upload quota), ``heavy`` (weight 2) and ``ops`` (admin). A capped key asking for priority
-1000 parks nobody, where the same request of ``plain`` parks; a metered key over
+1,000-byte upload quota), ``batchmeter`` (a rate), ``heavy`` (weight 2),
+``polite`` (parks only other tenants' batch work) and ``ops`` (admin). A capped
+key asking for priority 1000 parks nobody, where the same request of
+``plain`` parks; ``polite`` leaves another tenant's interactive job running; a metered key over
 its rate gets 429 with a Retry-After that is enough; its batch lines wait for
 its rate instead of failing; its upload past its quota is a 413 naming it;
-batches of two tenants at one level take turns, by weight; ``GET /v1/usage``
+batches and single requests of two tenants at one level take turns, by weight; ``GET /v1/usage``
 and the admin's /metrics count each tenant's tokens as the sum of its
 responses' usage."""
 
@@ -29,7 +31,7 @@ from tests.integration.conftest import TEST_ENV, start_parkq, stop_parkq
 from tests.integration.helpers import wait_until
 
 PLAIN, CAPPED, METERED, HEAVY, OPS = "sk-plain", "sk-capped", "sk-metered", "sk-heavy", "sk-ops"
-BATCHMETER = "sk-batchmeter"
+BATCHMETER, POLITE = "sk-batchmeter", "sk-polite"
 KEYS_FILE = f"""
 [tenants.capped]
 keys = ["{CAPPED}"]
@@ -47,6 +49,10 @@ tokens_per_minute = 600
 [tenants.heavy]
 keys = ["{HEAVY}"]
 weight = 2
+
+[tenants.polite]
+keys = ["{POLITE}"]
+parks_others = "batch"
 
 [tenants.ops]
 keys = ["{OPS}"]
@@ -76,12 +82,15 @@ def _get(base: str, key: str, path: str) -> requests.Response:
     return requests.get(base + path, headers={"Authorization": f"Bearer {key}"}, timeout=30)
 
 
-def _preemptions_of_long_while(base: str, key: str) -> tuple[int, requests.Response]:
-    """A long batch job of ``plain`` runs; ``key`` asks for priority 1000: how
-    often the long job was parked by then, and the second request's response."""
+def _preemptions_of_long_while(
+    base: str, key: str, long_priority: str = "batch"
+) -> tuple[int, requests.Response]:
+    """A long job of ``plain`` runs (at ``long_priority``); ``key`` asks for
+    priority 1000: how often the long job was parked by then, and the second
+    request's response."""
     headers = {"Authorization": f"Bearer {PLAIN}"}
-    long = requests.post(base + "/v1/completions", json=LONG, headers=headers, stream=True,
-                         timeout=120)  # fmt: skip
+    long = requests.post(base + "/v1/completions", json={**LONG, "priority": long_priority},
+                         headers=headers, stream=True, timeout=120)  # fmt: skip
     long_id = long.headers["X-Job-Id"]
 
     def job() -> dict[str, Any]:
@@ -116,6 +125,20 @@ def test_a_key_capped_at_batch_priority_parks_nobody(base: str) -> None:
     parked, plain = _preemptions_of_long_while(base, PLAIN)
     assert plain.status_code == 200 and parked >= 1
     assert "X-Parkq-Priority-Clamped" not in plain.headers
+
+
+def test_a_tenant_that_parks_only_batch_work_leaves_another_s_interactive_work_be(
+    base: str,
+) -> None:
+    parked, polite = _preemptions_of_long_while(base, POLITE, "interactive")
+    assert polite.status_code == 200, polite.text
+    assert parked == 0
+    # Its request still parks other tenants' batch work.
+    parked, polite = _preemptions_of_long_while(base, POLITE, "batch")
+    assert polite.status_code == 200 and parked >= 1
+    # The control: a tenant with the default policy parks the interactive job.
+    parked, heavy = _preemptions_of_long_while(base, HEAVY, "interactive")
+    assert heavy.status_code == 200 and parked >= 1
 
 
 def test_a_key_over_its_token_rate_waits_as_long_as_retry_after_says(base: str) -> None:

@@ -231,3 +231,31 @@ def test_any_arrivals_keep_each_tenants_order_and_lose_no_job(
     assert sorted(order) == sorted(j for ids in sent.values() for j in ids)
     for ids in sent.values():
         assert [j for j in order if j in set(ids)] == ids
+
+
+def _runs(store: Store, job_id: str, owner: str, level: int, worker: str, at: float) -> None:
+    """``worker`` (a live sequence) runs ``job_id`` of ``owner`` at ``level``."""
+    store.workers.heartbeat(worker, now=at, ttl=1000)
+    _put(store, job_id, owner, at, level=level)
+    claim = store.claim(worker, at)
+    assert claim is not None and claim.job_id == job_id
+
+
+@pytest.mark.parametrize(
+    ("runner_owner", "runner_level", "parks"),
+    [("alpha", 10, False), ("alpha", 0, True), ("beta", 10, True), ("beta", 5, True)],
+)
+def test_a_tenant_that_parks_only_others_batch_work_leaves_their_interactive_work_be(
+    store: Store, runner_owner: str, runner_level: int, parks: bool
+) -> None:
+    _runs(store, "running", runner_owner, runner_level, "w-busy", T0)
+    extra = {"parks_others": "batch"}
+    assert store.enqueue("urgent", "completion", _request(), 20, T0 + 10, owner="beta",
+                         extra=extra, weight=1.0)  # fmt: skip
+    assert store.maybe_preempt(T0 + 10) == ("w-busy" if parks else None)
+
+
+def test_a_tenant_that_parks_all_parks_others_interactive_work(store: Store) -> None:
+    _runs(store, "running", "alpha", 10, "w-busy", T0)
+    _put(store, "urgent", "beta", T0 + 10, level=20)
+    assert store.maybe_preempt(T0 + 10) == "w-busy"

@@ -21,6 +21,7 @@ max_priority = "batch"
 tokens_per_minute = 60000
 upload_bytes = 1000
 weight = 2
+parks_others = "batch"
 
 [tenants.ops]
 keys = ["sk-ops"]
@@ -40,7 +41,8 @@ def test_each_key_gets_its_tenant_s_policy_and_listed_keys_the_defaults(tmp_path
                         keys_file=_file(tmp_path, GOOD))  # fmt: skip
     by_secret = {k.secret: k for k in settings.api_key_entries}
     assert set(by_secret) == {"sk-plain", "sk-root", "sk-an-1", "sk-an-2", "sk-ops"}
-    analytics = KeyPolicy(max_priority=0, tokens_per_minute=60000, upload_bytes=1000, weight=2.0)
+    analytics = KeyPolicy(max_priority=0, tokens_per_minute=60000, upload_bytes=1000, weight=2.0,
+                          parks_others="batch")  # fmt: skip
     assert by_secret["sk-an-1"].policy == by_secret["sk-an-2"].policy == analytics
     assert by_secret["sk-an-1"].name == "analytics" and not by_secret["sk-an-1"].admin
     assert by_secret["sk-ops"].admin and by_secret["sk-ops"].policy.max_priority == 20
@@ -60,6 +62,7 @@ def test_each_key_gets_its_tenant_s_policy_and_listed_keys_the_defaults(tmp_path
         ("[tenants.a]\nkeys = ['k']\ntokens_per_minute = -5\n", "tokens_per_minute"),
         ("[tenants.a]\nkeys = ['k']\nweight = 0\n", "weight"),
         ("[tenants.a]\nkeys = ['k']\nadmin = 'yes'\n", "admin"),
+        ("[tenants.a]\nkeys = ['k']\nparks_others = 'none'\n", "parks_others"),
         ("[defaults]\nkeys = ['k']\n", "[defaults] takes only"),
         ("[tenant.a]\nkeys = ['k']\n", "unknown tables"),
         ("[tenants.a\n", "not valid TOML"),
