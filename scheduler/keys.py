@@ -114,6 +114,14 @@ class Keys:
         rate, expiring once it would be full again."""
         return f"{self.base}:bucket:{tenant}"
 
+    def live_of(self, tenant: str) -> str:
+        """Set of the ids of one tenant's jobs that may still be waiting or
+        running, kept only for a tenant with max_running or max_queued
+        (scheduler/tenancy.py): the scripts that count them drop the ids of
+        jobs that have ended. Bound: the tenant's live jobs, and the ended ones
+        since the last count."""
+        return f"{self.base}:live:{tenant}"
+
     @property
     def batches_waiting(self) -> str:
         """Sorted set of batch ids whose next line waits for its tenant's token

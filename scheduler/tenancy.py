@@ -11,6 +11,8 @@ limits its requests meet; the keys of ``PARKQ_API_KEYS`` (and
     keys = ["sk-an-1", "sk-an-2"]    # any of them opens the API as this tenant
     max_priority = "batch"           # a request above it runs at it (and is told so)
     tokens_per_minute = 60000        # prompt + max output tokens, admitted per minute
+    max_running = 4                  # its jobs running at once (more wait in the queue)
+    max_queued = 100                 # its requests waiting at once (more get 429)
     upload_bytes = 104857600         # its uploaded files together (else PARKQ_FILES_MAX_BYTES)
     weight = 2                       # twice the turns of a weight-1 tenant's at each level
     parks_others = "batch"           # parks other tenants' batch work, never their interactive work
@@ -44,6 +46,12 @@ class KeyPolicy:
     #: Prompt and (most) output tokens its requests may be admitted with per
     #: minute, as a token bucket of a minute's worth.
     tokens_per_minute: int | None = None
+    #: Its jobs running at once (parked ones do not count), batch lines
+    #: included: a job past it waits in the queue for one of them to end or park.
+    max_running: int | None = None
+    #: Its requests' jobs waiting at once (queued or parked); a request past it
+    #: is refused with 429. A batch's lines do not count (its window bounds them).
+    max_queued: int | None = None
     #: Its uploaded files together, in bytes (None: PARKQ_FILES_MAX_BYTES; 0: no limit).
     upload_bytes: int | None = None
     #: Its share beside other tenants at one priority level: its fair turns
@@ -69,7 +77,8 @@ class TenantKey:
     policy: KeyPolicy = field(default=NO_LIMITS)
 
 
-_POLICY_FIELDS = {"max_priority", "tokens_per_minute", "upload_bytes", "weight", "parks_others"}
+_POLICY_FIELDS = {"max_priority", "tokens_per_minute", "upload_bytes", "weight", "parks_others",
+                  "max_running", "max_queued"}  # fmt: skip
 _TENANT_FIELDS = _POLICY_FIELDS | {"keys", "admin"}
 
 
@@ -81,7 +90,7 @@ def _policy(table: dict[str, Any], where: str, base: KeyPolicy) -> KeyPolicy:
             values["max_priority"] = priority_level(value)
         except ValueError as exc:
             raise ValueError(f"{where}: max_priority: {exc}") from None
-    for name in ("tokens_per_minute", "upload_bytes"):
+    for name in ("tokens_per_minute", "upload_bytes", "max_running", "max_queued"):
         if name in table:
             value = table[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -13,7 +13,7 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from jobs.engine.request import GenerationRequest
 from jobs.store.batches import BatchStore
 from jobs.store.identity import ModelIdentity
-from jobs.store.scheduling import Cancelled, Ending, JobEnded, QueueFull
+from jobs.store.scheduling import Cancelled, Ending, JobEnded, QueueFull, TenantQueueFull
 from scheduler.policy import tier_of
 from scheduler.state import TERMINAL, JobState
 from web import limits
@@ -120,12 +120,24 @@ def _enqueue(
     who = caller()
     runtime.rq.create(job_id, f"{gen.kind} {len(gen.prompt_ids)}+{gen.max_tokens} tokens")
     try:
-        if who.policy.parks_others != "all":  # (maybe_preempt reads it)
-            extra = {**(extra or {}), "parks_others": who.policy.parks_others}
+        policy = who.policy
+        if policy.parks_others != "all":  # (maybe_preempt reads it)
+            extra = {**(extra or {}), "parks_others": policy.parks_others}
+        if policy.max_running:  # (claim.lua reads it)
+            extra = {**(extra or {}), "max_running": str(policy.max_running)}
         runtime.store.enqueue(
             job_id, gen.kind, gen.to_json(), level, time.time(), who.tenant, extra,
-            weight=who.policy.weight,
+            weight=policy.weight, max_queued=policy.max_queued or 0,
+            caps=bool(policy.max_running or policy.max_queued),
         )  # fmt: skip
+    except TenantQueueFull:
+        runtime.rq.delete(job_id)
+        raise TooManyRequests(
+            f"This key's tenant has {who.policy.max_queued} jobs waiting, its most "
+            "(max_queued in PARKQ_KEYS_FILE); retry when one has started.",
+            retry_after=2,
+            code="queued_jobs_exceeded",
+        ) from None
     except QueueFull:
         runtime.rq.delete(job_id)
         limit = runtime.settings.max_queue

@@ -173,6 +173,8 @@ def create_batch() -> Any:
         keep["level"] = str(policy.max_priority)
     if policy.tokens_per_minute:
         keep["tokens_per_minute"] = str(policy.tokens_per_minute)
+    if policy.max_running:  # its lines count toward its tenant's running jobs
+        keep["max_running"] = str(policy.max_running)
     if policy.weight != 1.0:  # its share: its lines waiting or running at a time
         lines = current().settings.batch_window
         keep["window"] = str(max(1, round(lines * policy.weight)))

@@ -283,6 +283,8 @@ class BatchStore:
                                                    record.get("owner", ""))  # fmt: skip
                     cost = len(request.get("prompt_ids", ())) + int(request.get("max_tokens", 0))
                     fields.update(extra, batch=batch_id, custom_id=custom_id, cost=str(cost))
+                    if record.get("max_running"):  # its tenant's (claim.lua reads it)
+                        fields["max_running"] = record["max_running"]
                     p.hset(k.pending(job_id), mapping=fields)
                     items.append(json.dumps({"custom_id": custom_id, "job": job_id}))
                     pending.append(job_id)
@@ -395,13 +397,14 @@ class BatchStore:
         """Top the batch's window up from its pending lines (at the level and
         token rate its tenant had when it was created); how many were queued."""
         now = time.time() if now is None else now
-        owner, level, rate, window, weight = self.r.hmget(
-            self.keys.batch(batch_id), "owner", "level", "tokens_per_minute", "window", "weight"
-        )
+        owner, level, rate, window, weight, capped = self.r.hmget(
+            self.keys.batch(batch_id), "owner", "level", "tokens_per_minute", "window", "weight",
+            "max_running",
+        )  # fmt: skip
         score = self.store.policy.score(int(level) if level else BATCH_LEVEL, now)
         size = int(window) if window else self.settings.batch_window  # its tenant's weight
         fed = self.store.feed_batch(batch_id, size, score, now, as_text(owner or b""),
-                                    int(rate or 0), float(weight or 1.0))  # fmt: skip
+                                    int(rate or 0), float(weight or 1.0), bool(capped))  # fmt: skip
         return int(fed)
 
     def items(self, batch_id: str) -> Iterator[Item]:

@@ -115,6 +115,10 @@ class QueueFull(Exception):
     """The queue holds `max_queue` waiting jobs: the new one was not accepted."""
 
 
+class TenantQueueFull(QueueFull):
+    """The job's tenant has its max_queued jobs waiting: the new one was not accepted."""
+
+
 class Fenced(Exception):
     """This execution no longer owns the job; it must stop writing."""
 
@@ -346,20 +350,26 @@ class Store:
         owner: str = "",
         extra: dict[str, str] | None = None,
         weight: float = 0.0,
+        max_queued: int = 0,
+        caps: bool = False,
     ) -> bool:
         """Store a new job and make it wait; False if the id is taken. With
         PARKQ_DURABLE_REPLICAS, returns once that many replicas hold it (or the
         wait is over: :meth:`durable`). ``extra``: more fields of its record
         (a response's own: web/responses_api.py). ``weight``: its tenant's, for
         its fair turn among the tenants at its level (0: none; first come, first
-        served: scheduler/fairness.py)."""
+        served: scheduler/fairness.py). ``caps``: its tenant has max_running or
+        max_queued (scheduler/tenancy.py), so the job is listed in the tenant's
+        live set; :class:`TenantQueueFull` when ``max_queued`` (0: none) of the
+        tenant's jobs wait."""
         fields = {**self.job_fields(job_id, kind, request, level, now, owner), **(extra or {})}
         score = fields["score"]
         flat = [x for kv in fields.items() for x in kv]
         k = self.keys
-        keys = [k.job(job_id), k.queue, k.wake, k.fair]
+        keys = [k.job(job_id), k.queue, k.wake, k.fair, k.live_of(owner)]
         args = [job_id, score, repr(now), self.settings.max_queue,
-                *self._fair_args(weight if owner else 0.0), *flat]  # fmt: skip
+                *self._fair_args(weight if owner else 0.0), max_queued if owner else 0,
+                "1" if caps and owner else "0", *flat]  # fmt: skip
         if self._waiting():
             with self.r.pipeline(transaction=False) as p:
                 self._scripts["enqueue"](keys=keys, args=args, client=p)
@@ -371,6 +381,8 @@ class Store:
             done = int(done_raw)
         else:
             done = int(self._run("enqueue", keys, args))
+        if done == -2:
+            raise TenantQueueFull(job_id)
         if done < 0:
             raise QueueFull(job_id)
         return bool(done)
@@ -418,11 +430,13 @@ class Store:
                 fairness.DEFAULT_OUTPUT, repr(fairness.DEFAULT_RATE)]  # fmt: skip
 
     def feed_batch(self, batch_id: str, window: int, score: float, now: float,
-                   owner: str = "", per_minute: int = 0, weight: float = 0.0) -> int:  # fmt: skip
+                   owner: str = "", per_minute: int = 0, weight: float = 0.0,
+                   caps: bool = False) -> int:  # fmt: skip
         """Queue a batch's pending lines (at ``score``) until ``window`` of them
         are live, each as far as its tenant ``owner``'s token bucket takes it
         (``per_minute``: its rate; 0: none) and at its fair turn (``weight``: the
-        tenant's; 0: none); how many were queued."""
+        tenant's; 0: none), listed in the tenant's live set where it has
+        ``caps``; how many were queued."""
         k = self.keys
         fed = self._run(
             "feed",
@@ -435,6 +449,7 @@ class Store:
                 k.bucket(owner),
                 k.batches_waiting,
                 k.fair,
+                k.live_of(owner),
             ],
             [
                 repr(now),
@@ -445,6 +460,7 @@ class Store:
                 k.pending_prefix,
                 per_minute,
                 *self._fair_args(weight if owner else 0.0),
+                "1" if caps and owner else "0",
             ],
         )
         return int(fed)
@@ -606,10 +622,11 @@ class Store:
         with self.r.pipeline(transaction=False) as p:
             for raw_id, _ in head:
                 p.hmget(self.keys.job(as_text(raw_id)), "state", "ckpt_worker", "parked_at",
-                        "model_digest", "run_seconds", "owner", "parks_others")  # fmt: skip
+                        "model_digest", "run_seconds", "owner", "parks_others",
+                        "max_running")  # fmt: skip
             records = p.execute()
         for (_, score), record in zip(head, records, strict=True):
-            state, holder, parked_at, digest, ran, owner, parks = record
+            state, holder, parked_at, digest, ran, owner, parks, cap = record
             if state not in (b"queued", b"parked"):
                 continue  # a stale entry: the job ended or runs
             if mine is not None and digest is not None and digest != mine:
@@ -626,30 +643,61 @@ class Store:
                 only = [r for r, proc in zip(runners, procs, strict=True) if proc == held_by]
                 if parks == b"batch":
                     only = self._parkable_by(owner or b"", only)
+                if cap and self._at_running_cap(as_text(owner or b""), int(cap)):
+                    only = self._own(owner or b"", only)
                 if not only:  # the holder is idle (it takes the job), busy unpreemptibly,
                     continue  # or busy with what this job's tenant may not park
                 victim = choose_victim(self.preempt_policy, -float(score), only, 0, now)
                 if victim is None:
                     continue
                 return victim
+            pool = runners
             if parks == b"batch":  # its tenant leaves other tenants' interactive work be
-                runners = self._parkable_by(owner or b"", runners)
-            victim = choose_victim(self.preempt_policy, -float(score), runners, idle, now)
+                pool = self._parkable_by(owner or b"", pool)
+            if cap and self._at_running_cap(as_text(owner or b""), int(cap)):
+                # Only its tenant's own running job may make room for it (another
+                # tenant's parked would free a sequence it may not take); else it
+                # is passed over, as the claim passes it over.
+                own = self._own(owner or b"", pool)
+                victim = choose_victim(self.preempt_policy, -float(score), own, 0, now)
+                if victim is None:
+                    continue
+                return victim
+            victim = choose_victim(self.preempt_policy, -float(score), pool, idle, now)
             return NO_ONE if victim is None else victim  # the best job anyone may take decides
         return None
+
+    def _owners(self, runners: list[Runner]) -> list[tuple[bytes, int]]:
+        """Each runner's job's tenant and priority level."""
+        with self.r.pipeline(transaction=False) as p:
+            for runner in runners:
+                p.hmget(self.keys.job(runner.job_id), "owner", "priority")
+            return [(theirs or b"", int(level or 0)) for theirs, level in p.execute()]
+
+    def _own(self, owner: bytes, runners: list[Runner]) -> list[Runner]:
+        """Those of ``runners`` whose job is tenant ``owner``'s."""
+        rows = self._owners(runners)
+        return [r for r, (theirs, _) in zip(runners, rows, strict=True) if theirs == owner]
+
+    def _at_running_cap(self, owner: str, cap: int) -> bool:
+        """Whether ``cap`` or more of tenant ``owner``'s jobs run (its live set;
+        the claim passes its jobs over then: claim.lua)."""
+        ids = [as_text(x) for x in self.r.smembers(self.keys.live_of(owner))]
+        with self.r.pipeline(transaction=False) as p:
+            for job_id in ids:
+                p.hget(self.keys.job(job_id), "state")
+            states = p.execute()
+        return sum(st in (b"running", b"parking") for st in states) >= cap
 
     def _parkable_by(self, owner: bytes, runners: list[Runner]) -> list[Runner]:
         """Those of ``runners`` that a job of tenant ``owner`` whose policy parks
         only other tenants' batch work may park: its own tenant's, and others'
         at or below the batch level (scheduler/tenancy.py, parks_others)."""
-        with self.r.pipeline(transaction=False) as p:
-            for runner in runners:
-                p.hmget(self.keys.job(runner.job_id), "owner", "priority")
-            rows = p.execute()
+        rows = self._owners(runners)
         return [
             r
             for r, (theirs, level) in zip(runners, rows, strict=True)
-            if (theirs or b"") == owner or int(level or 0) <= PRIORITY_LEVELS["batch"]
+            if theirs == owner or level <= PRIORITY_LEVELS["batch"]
         ]
 
     # -- worker side ------------------------------------------------------

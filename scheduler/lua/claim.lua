@@ -22,6 +22,8 @@
 -- costs about that); then anyone may take it.
 -- A job still recorded on the claiming sequence (its end lost in a failover)
 -- is requeued first.
+-- A job of a tenant with max_running (its record's `max_running`) is passed
+-- over while that many of the tenant's jobs run (its live set, Keys.live_of).
 -- Returns {id, execution token, the device it moved from or ''} or false when
 -- nothing fits.
 -- A job Redis still records on this sequence (its end was lost, as in a
@@ -44,6 +46,9 @@ local affinity = tonumber(ARGV[5])
 local page = tonumber(ARGV[6])
 local limit = tonumber(ARGV[11])
 local first = 0
+local live_base = string.match(ARGV[1], '^(.*):job:$')
+local running_states = {[S.running] = true, [S.parking] = true}
+local full = {}  -- tenant: at its max_running (read once per claim)
 while first < limit do
   local top = redis.call('ZRANGE', KEYS[1], first, first + page - 1)
   if #top == 0 then break end
@@ -66,6 +71,18 @@ while first < limit do
         if holder and holder ~= ARGV[9] and now - parked_at < math.max(affinity, ran) then
           local alive = tonumber(redis.call('ZSCORE', KEYS[4], holder) or '0')
           if alive > now then mine = false end
+        end
+      end
+      local cap = tonumber(redis.call('HGET', job, 'max_running') or '') or 0
+      if mine and cap > 0 and live_base then
+        local live = live_base .. ':live:' .. (redis.call('HGET', job, 'owner') or '')
+        if full[live] == nil then
+          full[live] = count_live(live, ARGV[1], running_states) >= cap
+        end
+        if full[live] then
+          mine = false
+        else
+          redis.call('SADD', live, id)  -- (a job queued before its tenant had caps)
         end
       end
       if mine then

@@ -7,11 +7,13 @@
 -- Such a batch is noted in the waiting set, scored by when its line will fit
 -- (the janitor feeds it then: no line of it may be running to do so).
 -- Each line queued takes its tenant's fair turn (lib.lua's fair_start).
+-- A line of a tenant with caps is listed in the tenant's live set.
 -- KEYS: batch hash, pending list, live set, queue zset, wake list, the tenant's
---       token bucket, the waiting set, the fair hash
+--       token bucket, the waiting set, the fair hash, the tenant's live set
 -- ARGV: now, job key prefix, window, score for now, live states (csv), pending
 --       prefix, the tenant's tokens per minute (0: no limit), the tenant's
---       weight (0: no fair turn), aging rate, default output tokens, default rate
+--       weight (0: no fair turn), aging rate, default output tokens, default
+--       rate, '1' when the tenant has caps
 if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress'
     or redis.call('HEXISTS', KEYS[1], 'expired_at') == 1 then  -- (past its window)
   return 0
@@ -55,6 +57,7 @@ while n < window do
   redis.call('LPUSH', KEYS[5], id)
   redis.call('LTRIM', KEYS[5], 0, 63)
   redis.call('SADD', KEYS[3], id)
+  if ARGV[12] == '1' and KEYS[9] then redis.call('SADD', KEYS[9], id) end
   n = n + 1
   fed = fed + 1
 end

@@ -213,3 +213,19 @@ local function fair_output(fair, job, completion)
     redis.call('HSET', fair, v[1], string.format('%.17g', new))
   end
 end
+
+-- A tenant's caps (scheduler/tenancy.py: max_running, max_queued) count the
+-- jobs in its live set (Keys.live_of): how many of them are in one of
+-- `states` (a set), dropping the ids of jobs that have ended or are gone.
+local function count_live(set, job_prefix, states)
+  local n = 0
+  for _, id in ipairs(redis.call('SMEMBERS', set)) do
+    local st = redis.call('HGET', job_prefix .. id, 'state')
+    if not st or st == S.finished or st == S.failed or st == S.cancelled then
+      redis.call('SREM', set, id)
+    elseif states[st] then
+      n = n + 1
+    end
+  end
+  return n
+end

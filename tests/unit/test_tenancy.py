@@ -22,6 +22,8 @@ tokens_per_minute = 60000
 upload_bytes = 1000
 weight = 2
 parks_others = "batch"
+max_running = 2
+max_queued = 0
 
 [tenants.ops]
 keys = ["sk-ops"]
@@ -42,7 +44,7 @@ def test_each_key_gets_its_tenant_s_policy_and_listed_keys_the_defaults(tmp_path
     by_secret = {k.secret: k for k in settings.api_key_entries}
     assert set(by_secret) == {"sk-plain", "sk-root", "sk-an-1", "sk-an-2", "sk-ops"}
     analytics = KeyPolicy(max_priority=0, tokens_per_minute=60000, upload_bytes=1000, weight=2.0,
-                          parks_others="batch")  # fmt: skip
+                          parks_others="batch", max_running=2, max_queued=None)  # fmt: skip
     assert by_secret["sk-an-1"].policy == by_secret["sk-an-2"].policy == analytics
     assert by_secret["sk-an-1"].name == "analytics" and not by_secret["sk-an-1"].admin
     assert by_secret["sk-ops"].admin and by_secret["sk-ops"].policy.max_priority == 20
@@ -55,7 +57,9 @@ def test_each_key_gets_its_tenant_s_policy_and_listed_keys_the_defaults(tmp_path
 @pytest.mark.parametrize(
     ("text", "says"),
     [
-        ("[tenants.a]\nkeys = ['k']\nmax_running = 3\n", "unknown fields"),
+        ("[tenants.a]\nkeys = ['k']\nmax_waiting = 3\n", "unknown fields"),
+        ("[tenants.a]\nkeys = ['k']\nmax_running = 1.5\n", "max_running"),
+        ("[tenants.a]\nkeys = ['k']\nmax_queued = -1\n", "max_queued"),
         ("[tenants.a]\nkeys = ['k']\n[tenants.b]\nkeys = ['k']\n", "given twice"),
         ("[tenants.a]\nkeys = []\n", "one or more"),
         ("[tenants.a]\nkeys = ['k']\nmax_priority = 'urgent'\n", "max_priority"),
