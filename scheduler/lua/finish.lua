@@ -51,6 +51,15 @@ elseif KEYS[6] then  -- cancelled or failed: what it generated all the same
   count_usage(KEYS[6], KEYS[5], KEYS[1], 'unfinished', tokens_after, usage_ttl)
   engine_tokens(KEYS[5], tokens_after)
 end
+-- A job of a tenant with max_running frees a place: an idle worker may now take
+-- a job the claim passed over (else it finds it at its next wait's end).
+if redis.call('HEXISTS', KEYS[1], 'max_running') == 1 then
+  local base = string.match(KEYS[1], '^(.-):job:')
+  if base then
+    redis.call('LPUSH', base .. ':wake', redis.call('HGET', KEYS[1], 'id') or '')
+    redis.call('LTRIM', base .. ':wake', 0, 63)
+  end
+end
 end_job(KEYS[1], KEYS[2], ARGV[3], ARGV[5], ARGV[6])
 release_worker(KEYS[3], KEYS[4], ARGV[7], ARGV[1])
 return 1

@@ -148,8 +148,10 @@ def test_no_sequence_of_steps_runs_more_than_the_cap_or_strands_a_job(
             _, worker, token = running.pop(mine[0])
             _finish(store, mine[0], worker, token, at)
         elif mine and op == "cancel":
-            running.pop(mine[0])
+            # A running job asked to cancel ends when its worker sees the flag.
+            _, worker, token = running.pop(mine[0])
             store.cancel(mine[0], at)
+            store.finish(mine[0], token, worker, JobState.CANCELLED, {}, 0, [], at)
         elif mine and op == "park":
             _, worker, token = running.pop(mine[0])
             store.park(mine[0], token, worker, '{"generated": []}', at)
