@@ -5,12 +5,22 @@ where ``start`` is its *fair start*: when its tenant's earlier jobs at that
 level are due to have had their share of the engine. For the tenant's clock
 ``c`` at the level, a job arriving at ``now`` expected to take ``tokens``
 starts at ``max(now, c)`` and moves the clock to ``start + tokens / (weight *
-rate)``, ``rate`` being the engine's measured tokens per second. A tenant with
-nothing waiting at the level (the job that last moved its clock is no longer
-queued or parked) starts at ``now``, whatever its clock says: what it was
-charged for has run, or was cancelled. This is a virtual clock (start-time fair
-queueing): the key stays static (the queue never needs rescoring), so the
-claim costs what it did, and the enqueue reads one hash and one job state more.
+rate)``. A tenant with nothing waiting at the level (the job that last moved
+its clock is no longer queued or parked) starts at ``now``, whatever its clock
+says: what it was charged for has run, or was cancelled. This is a virtual
+clock (start-time fair queueing): the key stays static (the queue never needs
+rescoring), so the claim costs what it did, and the enqueue reads one hash
+and one job state more.
+
+``rate`` is half what one busy sequence generates (tokens per second, measured
+by the janitor: SAFETY). The turns follow the weights while the clocks of the
+tenants that keep jobs waiting run ahead of real time, that is while each one's
+share of the engine is at least ``weight * rate``: up to about twice as many
+such tenants of weight 1 as the engine has sequences. With more, their clocks
+fall behind and their jobs run in order of arrival among them (a newcomer
+still starts at ``now``, ahead of none of their overdue jobs). A rate below
+the real one costs nothing within a level; it moves a backlogged tenant's
+later jobs behind other levels' sooner.
 
 Invariants (tests/unit/test_fairness.py checks them against the Lua):
 - a tenant's own jobs keep their order at a level (its clock only moves on
@@ -49,12 +59,8 @@ DEFAULT_OUTPUT = 256
 #: Engine tokens per second turns are taken at until the janitor has measured
 #: the engine: low, as every rate used here is meant to be (see SAFETY).
 DEFAULT_RATE = 50.0
-#: Turns are taken at this share of the measured rate. A rate above the real
-#: one spaces a flood's jobs closer than they run, so another tenant's request
-#: still finds most of the flood in front of it; one below spaces them further
-#: than needed, which costs nothing within a level (tenants that keep jobs
-#: waiting share by weight whatever the rate, and one with nothing waiting
-#: starts afresh) and only moves a flood's later jobs past other levels' sooner.
+#: Turns are taken at this share of the measured rate per busy sequence (see
+#: the module's docstring).
 SAFETY = 0.5
 #: The lowest rate the janitor writes.
 MIN_RATE = 5.0
@@ -65,15 +71,18 @@ OUTPUT_WEIGHT = 0.2
 RATE_WEIGHT = 0.1
 
 
-def next_rate(rate: float | None, tokens: float, seconds: float) -> float | None:
-    """The engine's measured rate after a sweep during which jobs ran throughout
-    and jobs that ended counted ``tokens`` (their prompt and output) in
-    ``seconds``; ``rate``: the measure before (None: none yet). Counted as
-    jobs end, a job's tokens come in at once: a sweep with none counts too, and
-    the average over about ten sweeps smooths them out."""
+def next_rate(
+    rate: float | None, tokens: float, seconds: float, sequences: float = 1.0
+) -> float | None:
+    """The measured rate per busy sequence after a sweep during which
+    ``sequences`` sequences (on average) ran throughout and jobs that ended
+    counted ``tokens`` (their prompt and output) in ``seconds``; ``rate``: the
+    measure before (None: none yet). Counted as jobs end, a job's tokens come
+    in at once: a sweep with none counts too, and the average over about ten
+    sweeps smooths them out."""
     if seconds <= 0 or tokens < 0:
         return rate
-    sample = tokens / seconds
+    sample = tokens / seconds / max(1.0, sequences)
     if rate is None:
         return sample if sample > 0 else None
     return (1 - RATE_WEIGHT) * rate + RATE_WEIGHT * sample

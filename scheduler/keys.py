@@ -140,7 +140,7 @@ class Keys:
     def fair(self) -> str:
         """Hash of the tenants' fair turns (scheduler/fairness.py): each tenant's
         clock per priority level (``c|<level>|<tenant>``), its usual output
-        tokens (``s|<tenant>``), the engine's measured rate (``measured``) and
+        tokens (``s|<tenant>``), the measured rate per busy sequence (``measured``) and
         the rate turns are taken at (``rate``). Bound:
         a clock is dropped by the janitor once it has passed; the others are one
         per tenant."""

@@ -156,8 +156,8 @@ class Janitor:
         self.settings = runtime.settings
         self._sweeps = 0
         self._thread: threading.Thread | None = None
-        #: At the last sweep: when, the engine tokens counted, whether jobs ran.
-        self._engine: tuple[float, int, bool] | None = None
+        #: At the last sweep: when, the engine tokens counted, the busy sequences.
+        self._engine: tuple[float, int, int] | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="parkq-janitor", daemon=True)
@@ -205,21 +205,24 @@ class Janitor:
             batches.feed(batch_id)
 
     def _fair(self) -> None:
-        """Measure the engine's rate for the fair turns (scheduler/fairness.py)
-        between two sweeps during which jobs ran, and drop the clocks that
-        have passed."""
+        """Measure the engine's rate per busy sequence for the fair turns
+        (scheduler/fairness.py) between two sweeps during which jobs ran, and
+        drop the clocks that have passed."""
         k = self.store.keys
         with self.store.r.pipeline(transaction=False) as p:
             p.hget(k.counters, "engine_tokens")
             p.zcard(k.running)
             p.hget(k.fair, "measured")
             raw_tokens, running, raw_rate = p.execute()
-        now, tokens, busy = time.time(), int(raw_tokens or 0), int(running) > 0
+        now, tokens, busy = time.time(), int(raw_tokens or 0), int(running)
         last, self._engine = self._engine, (now, tokens, busy)
         measured, rate = "", ""
         if last is not None and last[2] and busy and tokens >= last[1]:
             got = fairness.next_rate(
-                float(raw_rate) if raw_rate else None, tokens - last[1], now - last[0]
+                float(raw_rate) if raw_rate else None,
+                tokens - last[1],
+                now - last[0],
+                (last[2] + busy) / 2,
             )
             if got is not None:
                 measured = repr(got)

@@ -144,8 +144,8 @@ end
 -- waiting at the level: what it was charged has been served or let go), and
 -- moves the clock on by what it is expected to take (its prompt and an output
 -- as fair_output's averages expect, at most its max_tokens) over the tenant's share
--- (weight) of the engine's measured rate (field `rate`, written by the
--- janitor: tokens per second while busy). Its score is the score of a job of
+-- (weight) of the rate turns are taken at (field `rate`, written by the
+-- janitor: half of what one busy sequence generates per second). Its score is the score of a job of
 -- its level arriving at that start. A tenant's own jobs keep their order; a
 -- tenant that floods a level pushes its later jobs back, not other tenants'.
 -- Weight 0: no fair turn (its score is now's).

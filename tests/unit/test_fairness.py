@@ -188,7 +188,7 @@ def test_the_janitor_measures_the_rate_and_drops_passed_clocks(
     fake_redis.hset(k.counters, "engine_tokens", 1000)
     janitor._fair()
     assert fake_redis.hget(k.fair, "rate") is None  # one sweep measures nothing yet
-    janitor._engine = (now - 10.0, 1000, True)
+    janitor._engine = (now - 10.0, 1000, 1)
     fake_redis.hset(k.counters, "engine_tokens", 1400)
     janitor._fair()
     assert float(fake_redis.hget(k.fair, "measured") or 0) == pytest.approx(40.0, rel=0.05)
