@@ -1,46 +1,44 @@
 """Fair turns between tenants at one priority level, pure.
 
-A waiting job's key is ``level * level_seconds - start`` (scheduler/policy.py),
-where ``start`` is its *fair start*: when its tenant's earlier jobs at that
-level are due to have had their share of the engine. For the tenant's clock
-``c`` at the level, a job arriving at ``now`` expected to take ``tokens``
-starts at ``max(now, c)`` and moves the clock to ``start + tokens / (weight *
-rate)``. A tenant with nothing waiting at the level (the job that last moved
-its clock is no longer queued or parked) starts at ``now``, whatever its clock
-says: what it was charged for has run, or was cancelled. This is a virtual
-clock (start-time fair queueing): the key stays static (the queue never needs
-rescoring), so the claim costs what it did, and the enqueue reads one hash
-and one job state more.
-
-``rate`` is half what one busy sequence generates (tokens per second, measured
-by the janitor: SAFETY). The turns follow the weights while the clocks of the
-tenants that keep jobs waiting run ahead of real time, that is while each one's
-share of the engine is at least ``weight * rate``: up to about twice as many
-such tenants of weight 1 as the engine has sequences. With more, their clocks
-fall behind and their jobs run in order of arrival among them (a newcomer
-still starts at ``now``, ahead of none of their overdue jobs). A rate below
-the real one costs nothing within a level; it moves a backlogged tenant's
-later jobs behind other levels' sooner.
+Start-time fair queueing (Goyal, Vin and Cheng, 1996) on the queue's static
+keys (scheduler/policy.py). Each level has a virtual time ``V``: the virtual
+start of the last job claimed there. Each tenant has a clock per level ``F``:
+the virtual finish of its last job there. A job of a tenant whose last job
+there still waits starts at ``max(V, F)``; of a tenant with nothing waiting
+there, at ``V``. It moves ``F`` on by ``tokens / (weight * rate)``: ``tokens``
+what it is expected to take, ``rate`` the engine's rate in such tokens (those
+of the jobs claimed per second while others waited, measured where they are
+claimed, over about RATE_SECONDS), so that virtual time keeps up with real
+time. Its key is that of a job of its
+level arriving at its start, kept within ``most_seconds`` (half a level's
+worth) of now, and never before its tenant's last job still waiting there.
+The queue never needs rescoring, the claim moves ``V`` and counts the tokens,
+and the enqueue reads one hash and one job state more (lib.lua's fair_start
+and fair_claimed).
 
 Invariants (tests/unit/test_fairness.py checks them against the Lua):
-- a tenant's own jobs keep their order at a level (its clock only moves on
-  while it has jobs waiting there);
-- a tenant with nothing waiting starts at ``now``: a job of a tenant that
-  sends one request is ranked as before, however many jobs another tenant sent;
-- two tenants that keep jobs waiting are served in proportion to their weights,
-  in expected tokens: a job's prompt and the larger of its tenant's usual output
-  and its tenant's usual share of max_tokens times its own, at most its
-  max_tokens (all of it before any of the tenant's jobs finished; each
-  finished job moves both averages, see ``OUTPUT_WEIGHT``). A size expected
-  too large, like a rate too low, spaces the tenant's own jobs further and
-  costs nothing within the level;
-- levels still order as before, and the starvation bound holds from a job's
-  fair start (at most its arrival plus its tenant's earlier waiting work at the
-  level over the tenant's share of the engine) instead of its arrival.
+- a tenant's own jobs keep their order at a level while the earlier ones wait
+  (a job is never put before its tenant's last one still waiting there, or
+  cancelled; one claimed was the last of them to wait);
+- a tenant with nothing waiting starts at ``V``: its request waits from about
+  its arrival, as before, however many jobs another tenant sent;
+- tenants that keep jobs waiting are claimed in proportion to their weights,
+  in expected tokens (a job's prompt and the larger of its tenant's usual
+  output and its tenant's usual share of max_tokens times its own, at most its
+  max_tokens, all of it before any of the tenant's jobs finished; each
+  finished job moves both averages, see ``OUTPUT_WEIGHT``);
+- a tenant that used an idle engine owes nothing for it: its clock is ahead of
+  ``V`` by what it has waiting, not by what it ran;
+- levels still come first: no job is put back by more than ``most_seconds``
+  (plus a millisecond per job of its tenant waiting ahead of it), and the
+  starvation bound holds from its key time.
 
-What it does not do: jobs already waiting keep their start when the measured
-rate or the usual output changes, and a job cancelled among a tenant's waiting
-ones leaves the later ones where they were.
+What it does not do: jobs already waiting keep their key when the measured
+rate or the usual output changes; a tenant's work waiting beyond half a level
+is kept at half a level (its later jobs then come in order of arrival beside
+other tenants' turns there); where the measured rate is off, virtual time
+strays from real time and is started again at now when it strays past half a
+level.
 """
 
 from __future__ import annotations
@@ -50,39 +48,22 @@ __all__ = [
     "DEFAULT_RATE",
     "MIN_RATE",
     "OUTPUT_WEIGHT",
-    "SAFETY",
-    "next_rate",
+    "RATE_SECONDS",
+    "most_seconds",
 ]
 
 #: Output tokens expected of a job of a tenant none of whose jobs finished yet.
 DEFAULT_OUTPUT = 256
-#: Engine tokens per second turns are taken at until the janitor has measured
-#: the engine: low, as every rate used here is meant to be (see SAFETY).
+#: Tokens per second turns are taken at until claims have measured the engine.
 DEFAULT_RATE = 50.0
-#: Turns are taken at this share of the measured rate per busy sequence (see
-#: the module's docstring).
-SAFETY = 0.5
-#: The lowest rate the janitor writes.
+#: The lowest rate measured.
 MIN_RATE = 5.0
 #: How much of a tenant's usual output one finished job makes (lib.lua's fair_output).
 OUTPUT_WEIGHT = 0.2
-#: How much of the measured rate one sweep's sample makes (about the last ten
-#: sweeps count).
-RATE_WEIGHT = 0.1
+#: The time constant, in seconds, of the measured rate (lib.lua's fair_claimed).
+RATE_SECONDS = 5.0
 
 
-def next_rate(
-    rate: float | None, tokens: float, seconds: float, sequences: float = 1.0
-) -> float | None:
-    """The measured rate per busy sequence after a sweep during which
-    ``sequences`` sequences (on average) ran throughout and jobs that ended
-    counted ``tokens`` (their prompt and output) in ``seconds``; ``rate``: the
-    measure before (None: none yet). Counted as jobs end, a job's tokens come
-    in at once: a sweep with none counts too, and the average over about ten
-    sweeps smooths them out."""
-    if seconds <= 0 or tokens < 0:
-        return rate
-    sample = tokens / seconds / max(1.0, sequences)
-    if rate is None:
-        return sample if sample > 0 else None
-    return (1 - RATE_WEIGHT) * rate + RATE_WEIGHT * sample
+def most_seconds(level_seconds: float) -> float:
+    """The most seconds a fair turn puts a job back: half a level's worth."""
+    return level_seconds / 2

@@ -138,12 +138,13 @@ class Keys:
 
     @property
     def fair(self) -> str:
-        """Hash of the tenants' fair turns (scheduler/fairness.py): each tenant's
-        clock per priority level (``c|<level>|<tenant>``), its usual output
-        tokens (``s|<tenant>``), the measured rate per busy sequence (``measured``) and
-        the rate turns are taken at (``rate``). Bound:
-        a clock is dropped by the janitor once it has passed; the others are one
-        per tenant."""
+        """Hash of the tenants' fair turns (scheduler/fairness.py): each level's
+        virtual time (``v|<level>``), each tenant's clock per level
+        (``c|<level>|<tenant>``), its usual output tokens and share of
+        max_tokens (``s|<tenant>``, ``f|<tenant>``), and the rate turns are
+        taken at (``rate``, ``rate_at``). Bound: a clock is dropped by the
+        janitor once it no longer counts; the others are one per level or
+        tenant."""
         return f"{self.base}:fair"
 
     @property

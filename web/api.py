@@ -66,6 +66,13 @@ def submit(
     response_id = response_id or f"{prefix}-{secrets.token_hex(12)}"
     # The tenant's token rate: its prompt and most output tokens, per choice.
     who = caller()
+    most = who.policy.max_queued
+    if most and n > most:  # (each choice waits as a job: it could never be taken)
+        raise BadRequest(
+            f"n is {n}, more than the {most} jobs this key's tenant may have waiting "
+            "(max_queued in PARKQ_KEYS_FILE).",
+            param="n",
+        )
     rate = who.policy.tokens_per_minute
     cost = (len(gen.prompt_ids) + gen.max_tokens) * n
     limits.admit(runtime.store, who.tenant, rate, cost, time.time())

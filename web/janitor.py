@@ -31,7 +31,6 @@ from flask import Flask
 from jobs.store.batches import BatchStore
 from jobs.store.scheduling import Store
 from jobs.store.telemetry import as_text
-from scheduler import fairness
 from scheduler.state import JobState
 from web.responses import result_of
 
@@ -51,19 +50,22 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 return 0
 """
-#: Drops the tenants' fair clocks that have passed (a clock behind now counts as
-#: now), and sets the engine's measured rate (ARGV[2]; '' keeps it) and the
-#: rate turns are taken at (ARGV[3]).
+#: Drops the tenants' fair clocks that no longer count: their last job no
+#: longer waits (a new job of theirs starts at the level's virtual time anyway)
+#: and its key time has passed (a new one comes after it anyway: lib.lua's
+#: fair_start). KEYS[1]: the fair hash; ARGV: now, the job key prefix.
 _FAIR_SWEEP = """
 local now = tonumber(ARGV[1])
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
-  if string.sub(all[i], 1, 2) == 'c|'
-      and (tonumber(string.match(all[i + 1], '^%S+')) or 0) < now then
-    redis.call('HDEL', KEYS[1], all[i])
+  if string.sub(all[i], 1, 2) == 'c|' then
+    local key, last = string.match(all[i + 1], '^%S+ (%S+) (.*)$')
+    local state = last and redis.call('HGET', ARGV[2] .. last, 'state')
+    if state ~= 'queued' and state ~= 'parked' and (tonumber(key) or 0) < now then
+      redis.call('HDEL', KEYS[1], all[i])
+    end
   end
 end
-if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'measured', ARGV[2], 'rate', ARGV[3]) end
 return #all / 2
 """
 #: The longest wait between two sweeps after failed ones.
@@ -156,8 +158,6 @@ class Janitor:
         self.settings = runtime.settings
         self._sweeps = 0
         self._thread: threading.Thread | None = None
-        #: At the last sweep: when, the engine tokens counted, the busy sequences.
-        self._engine: tuple[float, int, int] | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="parkq-janitor", daemon=True)
@@ -205,29 +205,9 @@ class Janitor:
             batches.feed(batch_id)
 
     def _fair(self) -> None:
-        """Measure the engine's rate per busy sequence for the fair turns
-        (scheduler/fairness.py) between two sweeps during which jobs ran, and
-        drop the clocks that have passed."""
+        """Drop the fair clocks that no longer matter (scheduler/fairness.py)."""
         k = self.store.keys
-        with self.store.r.pipeline(transaction=False) as p:
-            p.hget(k.counters, "engine_tokens")
-            p.zcard(k.running)
-            p.hget(k.fair, "measured")
-            raw_tokens, running, raw_rate = p.execute()
-        now, tokens, busy = time.time(), int(raw_tokens or 0), int(running)
-        last, self._engine = self._engine, (now, tokens, busy)
-        measured, rate = "", ""
-        if last is not None and last[2] and busy and tokens >= last[1]:
-            got = fairness.next_rate(
-                float(raw_rate) if raw_rate else None,
-                tokens - last[1],
-                now - last[0],
-                (last[2] + busy) / 2,
-            )
-            if got is not None:
-                measured = repr(got)
-                rate = repr(max(got * fairness.SAFETY, fairness.MIN_RATE))
-        self.store.r.eval(_FAIR_SWEEP, 1, k.fair, repr(now), measured, rate)
+        self.store.r.eval(_FAIR_SWEEP, 1, k.fair, repr(time.time()), k.job_prefix)
 
     def _batches(self) -> int:
         """Bring every open batch up to date as a read would; how many were open."""

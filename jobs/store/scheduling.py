@@ -424,10 +424,12 @@ class Store:
 
     def _fair_args(self, weight: float) -> list[Any]:
         """The fair turn's arguments of enqueue.lua and feed.lua: the tenant's
-        weight (0 when fair turns are off), the aging rate, the defaults."""
+        weight (0 when fair turns are off), the aging rate, the defaults, the
+        most seconds a turn puts a job back."""
         on = self.settings.fair_share and weight > 0
         return [repr(weight if on else 0.0), repr(self.policy.aging_rate),
-                fairness.DEFAULT_OUTPUT, repr(fairness.DEFAULT_RATE)]  # fmt: skip
+                fairness.DEFAULT_OUTPUT, repr(fairness.DEFAULT_RATE),
+                repr(fairness.most_seconds(self.policy.level_seconds))]  # fmt: skip
 
     def feed_batch(self, batch_id: str, window: int, score: float, now: float,
                    owner: str = "", per_minute: int = 0, weight: float = 0.0,
@@ -625,6 +627,16 @@ class Store:
                         "model_digest", "run_seconds", "owner", "parks_others",
                         "max_running")  # fmt: skip
             records = p.execute()
+        full: dict[tuple[bytes, int], bool] = {}  # (tenant, cap): at it (read once)
+
+        def at_cap(owner: bytes | None, cap: bytes | None) -> bool:
+            if not cap:
+                return False
+            key = (owner or b"", int(cap))
+            if key not in full:
+                full[key] = self._at_running_cap(as_text(key[0]), key[1])
+            return full[key]
+
         for (_, score), record in zip(head, records, strict=True):
             state, holder, parked_at, digest, ran, owner, parks, cap = record
             if state not in (b"queued", b"parked"):
@@ -643,7 +655,7 @@ class Store:
                 only = [r for r, proc in zip(runners, procs, strict=True) if proc == held_by]
                 if parks == b"batch":
                     only = self._parkable_by(owner or b"", only)
-                if cap and self._at_running_cap(as_text(owner or b""), int(cap)):
+                if at_cap(owner, cap):
                     only = self._own(owner or b"", only)
                 if not only:  # the holder is idle (it takes the job), busy unpreemptibly,
                     continue  # or busy with what this job's tenant may not park
@@ -654,7 +666,7 @@ class Store:
             pool = runners
             if parks == b"batch":  # its tenant leaves other tenants' interactive work be
                 pool = self._parkable_by(owner or b"", pool)
-            if cap and self._at_running_cap(as_text(owner or b""), int(cap)):
+            if at_cap(owner, cap):
                 # Only its tenant's own running job may make room for it (another
                 # tenant's parked would free a sequence it may not take); else it
                 # is passed over, as the claim passes it over.
@@ -729,6 +741,8 @@ class Store:
                 self.model.device if self.model else "CPU",
                 self._scan_limit,
                 secrets.token_hex(4),
+                repr(fairness.RATE_SECONDS),
+                repr(fairness.MIN_RATE),
             ],
         )
         if not got:

@@ -6,7 +6,8 @@
 --       worker's model ('' for any), the name of the worker's process (its
 --       sequences share the process's checkpoints), the worker's device, the
 --       most queue entries to look at in all, a nonce for the execution token
---       (see lib.lua's token)
+--       (see lib.lua's token), the fair rate's time constant and its floor
+--       (lib.lua's fair_claimed)
 -- The queue is read in pages until a job fits: jobs this worker may not take
 -- (another model's, parked jobs left to their holder) never hide the ones
 -- behind them.
@@ -22,6 +23,8 @@
 -- costs about that); then anyone may take it.
 -- A job still recorded on the claiming sequence (its end lost in a failover)
 -- is requeued first.
+-- A claimed job moves its level's virtual time of fair turns (lib.lua's
+-- fair_claimed).
 -- A job of a tenant with max_running (its record's `max_running`) is passed
 -- over while that many of the tenant's jobs run (its live set, Keys.live_of).
 -- Returns {id, execution token, the device it moved from or ''} or false when
@@ -90,6 +93,10 @@ while first < limit do
         redis.call('HINCRBY', job, 'exec', 1)
         redis.call('HSET', job, 'nonce', ARGV[12])
         local exec = token(job)
+        if live_base then
+          fair_claimed(live_base .. ':fair', job, now, redis.call('ZCARD', KEYS[1]) > 0,
+                       tonumber(ARGV[13]), tonumber(ARGV[14]))
+        end
         move(job, S.running)
         redis.call('HSET', job, 'worker', ARGV[2], 'resumed_at', ARGV[3])
         redis.call('HSETNX', job, 'started_at', ARGV[3])

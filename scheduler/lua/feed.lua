@@ -13,7 +13,7 @@
 -- ARGV: now, job key prefix, window, score for now, live states (csv), pending
 --       prefix, the tenant's tokens per minute (0: no limit), the tenant's
 --       weight (0: no fair turn), aging rate, default output tokens, default
---       rate, '1' when the tenant has caps
+--       rate, the fair turn's most seconds, '1' when the tenant has caps
 if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress'
     or redis.call('HEXISTS', KEYS[1], 'expired_at') == 1 then  -- (past its window)
   return 0
@@ -49,7 +49,7 @@ while n < window do
   local start = now
   if KEYS[8] then
     start = fair_start(KEYS[8], job, now, tonumber(ARGV[8]), tonumber(ARGV[10]),
-                       tonumber(ARGV[11]))
+                       tonumber(ARGV[11]), tonumber(ARGV[12]))
   end
   local score = fair_score(ARGV[4], ARGV[9] or '0', start, now)
   redis.call('HSET', job, 'created_at', ARGV[1], 'enqueued_at', ARGV[1], 'score', score)
@@ -57,7 +57,7 @@ while n < window do
   redis.call('LPUSH', KEYS[5], id)
   redis.call('LTRIM', KEYS[5], 0, 63)
   redis.call('SADD', KEYS[3], id)
-  if ARGV[12] == '1' and KEYS[9] then redis.call('SADD', KEYS[9], id) end
+  if ARGV[13] == '1' and KEYS[9] then redis.call('SADD', KEYS[9], id) end
   n = n + 1
   fed = fed + 1
 end

@@ -45,11 +45,9 @@ if ARGV[3] == S.finished and KEYS[6] then
                 usage_ttl)
     count_usage(KEYS[6], KEYS[5], KEYS[1], 'requests', 1, usage_ttl)
     fair_output(KEYS[7], KEYS[1], tonumber(u['completion_tokens']))
-    engine_tokens(KEYS[5], (tonumber(u['prompt_tokens']) or 0) + (tonumber(u['completion_tokens']) or 0))
   end
 elseif KEYS[6] then  -- cancelled or failed: what it generated all the same
   count_usage(KEYS[6], KEYS[5], KEYS[1], 'unfinished', tokens_after, usage_ttl)
-  engine_tokens(KEYS[5], tokens_after)
 end
 -- A job of a tenant with max_running frees a place: an idle worker may now take
 -- a job the claim passed over (else it finds it at its next wait's end).

@@ -136,32 +136,48 @@ local function count_usage(hour, counters, job, what, n, ttl)
   redis.call('HINCRBY', counters, 'usage|' .. who .. '|' .. what, n)
 end
 
--- Fair turns between tenants at one priority level (scheduler/fairness.py).
--- Each tenant has a clock per level (field `c|<level>|<tenant>` of the fair
--- hash, '<clock> <id of the job that set it>'): when its last job there is due
--- to have had its share of the engine. A new job starts at that clock, or now
--- if it is later or if that last job no longer waits (the tenant has nothing
--- waiting at the level: what it was charged has been served or let go), and
--- moves the clock on by what it is expected to take (its prompt and an output
--- as fair_output's averages expect, at most its max_tokens) over the tenant's share
--- (weight) of the rate turns are taken at (field `rate`, written by the
--- janitor: half of what one busy sequence generates per second). Its score is the score of a job of
--- its level arriving at that start. A tenant's own jobs keep their order; a
--- tenant that floods a level pushes its later jobs back, not other tenants'.
--- Weight 0: no fair turn (its score is now's).
-local function fair_start(fair, job, now, weight, default_out, default_rate)
+-- Fair turns between tenants at one priority level (scheduler/fairness.py):
+-- start-time fair queueing. Each level has a virtual time (field `v|<level>`
+-- of the fair hash: the virtual start of the last job claimed there, set by
+-- claim.lua), each tenant a clock per level (`c|<level>|<tenant>`: '<virtual
+-- finish of its last job> <that job's key time> <its id>'). A job starts at the
+-- level's virtual time, or at its tenant's clock while the tenant's last job
+-- there still waits (the tenant is behind: what it was charged has not run),
+-- and moves the clock on by what it is expected to take (its prompt and an
+-- output as fair_output's averages expect, at most its max_tokens) over the
+-- tenant's weight of the engine's rate (field `rate`: such tokens claimed per
+-- second while jobs wait, measured by the janitor, so that virtual time keeps
+-- up with real time). It waits as if it had arrived at its start, kept within
+-- `cap` seconds of now (less than a level's worth), and never before its
+-- tenant's last job there while that one waits or was cancelled (a tenant's
+-- jobs keep their order; one claimed was the last of them to wait). Weight 0:
+-- no fair turn (it waits from now). Returns the key time (the score is a job
+-- of its level arriving then).
+local function fair_start(fair, job, now, weight, default_out, default_rate, cap)
   if weight <= 0 then return now end
   local owner = redis.call('HGET', job, 'owner') or ''
   local level = redis.call('HGET', job, 'priority') or '0'
   local field = 'c|' .. level .. '|' .. owner
-  local got = redis.call('HMGET', fair, field, 's|' .. owner, 'rate', 'f|' .. owner)
-  local start = now
+  local got = redis.call('HMGET', fair, field, 's|' .. owner, 'rate', 'f|' .. owner,
+                         'v|' .. level)
+  local v = tonumber(got[5])
+  if not v or v < now - cap or v > now + cap then
+    -- (the level's first turn, or virtual time that strayed from real time: a
+    -- rate measured wrong, an idle level: it starts again at now)
+    v = now
+    redis.call('HSET', fair, 'v|' .. level, string.format('%.17g', v))
+  end
+  local start, floor = v, nil
   if got[1] then
-    local clock, last = string.match(got[1], '^(%S+) (.*)$')
-    clock = tonumber(clock)
-    if clock and clock > now then
+    local f, key, last = string.match(got[1], '^(%S+) (%S+) (.*)$')
+    if f and last then
       local state = redis.call('HGET', string.match(job, '^(.-:job:)') .. last, 'state')
-      if state == S.queued or state == S.parked then start = clock end
+      if state == S.queued or state == S.parked then
+        start = math.max(v, tonumber(f) or v)
+        floor = tonumber(key)
+      elseif state == S.cancelled then
+        floor = tonumber(key)  -- (its earlier jobs may still wait: not before them)
+      end
     end
   end
   local out = tonumber(got[2]) or default_out
@@ -175,11 +191,44 @@ local function fair_start(fair, job, now, weight, default_out, default_rate)
     out = math.min(math.max(out, (tonumber(got[4]) or 1) * most), most)
   end
   local prompt = tonumber(redis.call('HGET', job, 'prompt_n') or '0') or 0
-  local spend = (prompt + math.max(1, out)) / (weight * rate)
-  redis.call('HSET', fair, field,
-             string.format('%.17g', start + spend) .. ' ' .. redis.call('HGET', job, 'id'))
-  redis.call('HSET', job, 'fair_start', string.format('%.17g', start))
-  return start
+  local tokens = (prompt + math.max(1, out)) / weight
+  local at = math.min(start, now + cap)
+  if floor and at <= floor then at = floor + 0.001 end  -- (its own order kept)
+  redis.call('HSET', fair, field, string.format('%.17g', start + tokens / rate) .. ' '
+             .. string.format('%.17g', at) .. ' ' .. redis.call('HGET', job, 'id'))
+  redis.call('HSET', job, 'fair_start', string.format('%.17g', at),
+             'fair_v', string.format('%.17g', start), 'fair_tokens', string.format('%.17g', tokens))
+  return at
+end
+
+-- A claimed job moves its level's virtual time to its own virtual start
+-- (fair_start): a turn taken there starts no earlier. While other jobs wait
+-- (`busy`), its expected tokens over its tenant's weight go into the rate
+-- turns are taken at (field `rate`: such tokens per second, an average that
+-- forgets with a time constant of `tau` seconds; the seconds since the last
+-- such claim count up to `tau`, so an idle spell does not empty it).
+local function fair_claimed(fair, job, now, busy, tau, min_rate)
+  local got = redis.call('HMGET', job, 'fair_v', 'fair_tokens', 'priority')
+  local fv = tonumber(got[1])
+  if not fv then return end
+  local field = 'v|' .. (got[3] or '0')
+  local cur = tonumber(redis.call('HGET', fair, field) or '')
+  if not cur or fv > cur then
+    redis.call('HSET', fair, field, string.format('%.17g', fv))
+  end
+  if busy then
+    local r = redis.call('HMGET', fair, 'rate', 'rate_at')
+    local rate, at = tonumber(r[1]), tonumber(r[2])
+    local tokens = tonumber(got[2]) or 0
+    if at then
+      local dt = math.min(math.max(0, now - at), tau)
+      rate = (rate or 0) * math.exp(-dt / tau) + tokens / tau
+    end
+    redis.call('HSET', fair, 'rate_at', string.format('%.17g', now))
+    if rate then
+      redis.call('HSET', fair, 'rate', string.format('%.17g', math.max(rate, min_rate)))
+    end
+  end
 end
 
 -- The score of a job of the level whose score now is `score_now` (a string)
@@ -188,13 +237,6 @@ end
 local function fair_score(score_now, aging, start, now)
   if start == now then return score_now end
   return string.format('%.17g', tonumber(score_now) + tonumber(aging) * (start - now))
-end
-
--- The tokens an ended job took of the engine (its prompt and output; a
--- cancelled or failed job's output), counted for the janitor's measure of
--- the engine's rate (web/janitor.py).
-local function engine_tokens(counters, n)
-  if n and n > 0 then redis.call('HINCRBY', counters, 'engine_tokens', n) end
 end
 
 -- A finished job's output tokens move its tenant's usual output and its
@@ -216,14 +258,16 @@ end
 
 -- A tenant's caps (scheduler/tenancy.py: max_running, max_queued) count the
 -- jobs in its live set (Keys.live_of): how many of them are in one of
--- `states` (a set), dropping the ids of jobs that have ended or are gone.
-local function count_live(set, job_prefix, states)
+-- `states` (a set), batch lines left out where `requests_only`, dropping the
+-- ids of jobs that have ended or are gone.
+local function count_live(set, job_prefix, states, requests_only)
   local n = 0
   for _, id in ipairs(redis.call('SMEMBERS', set)) do
-    local st = redis.call('HGET', job_prefix .. id, 'state')
+    local got = redis.call('HMGET', job_prefix .. id, 'state', 'batch')
+    local st = got[1]
     if not st or st == S.finished or st == S.failed or st == S.cancelled then
       redis.call('SREM', set, id)
-    elseif states[st] then
+    elseif states[st] and not (requests_only and got[2]) then
       n = n + 1
     end
   end

@@ -103,6 +103,10 @@ def test_a_tenant_past_its_waiting_jobs_gets_429_until_one_starts(base: str) -> 
     assert refused.value.code == "queued_jobs_exceeded"
     assert "max_queued" in refused.value.message
     assert int(refused.value.response.headers["Retry-After"]) >= 1
+    # A request of more choices than it may have waiting could never be taken: 400.
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.completions.create(model="tiny", prompt="Three", max_tokens=2, n=3)
+    assert too_many.value.param == "n" and "max_queued" in too_many.value.message
     # Another tenant is not refused meanwhile.
     other = openai.OpenAI(base_url=base + "/v1", api_key=FREE, max_retries=0)
     assert other.completions.create(model="tiny", prompt="Free", max_tokens=2).choices

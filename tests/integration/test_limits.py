@@ -67,8 +67,10 @@ LONG = {"model": "tiny", "prompt": "A long one", "max_tokens": 3000, "ignore_eos
 def base(tiny_model: Path, tmp_path_factory: Any) -> Iterator[str]:
     path = tmp_path_factory.mktemp("keys") / "keys.toml"
     path.write_text(KEYS_FILE)
+    # A level worth a minute, as by default: a fair turn puts a job back by
+    # half a level's worth at most (the suite's 0.5 s would leave no turns).
     env = {**TEST_ENV, "PARKQ_API_KEYS": f"plain:{PLAIN}", "PARKQ_KEYS_FILE": str(path),
-           "PARKQ_JANITOR_SECONDS": "0.5"}  # fmt: skip
+           "PARKQ_JANITOR_SECONDS": "0.5", "PARKQ_PRIORITY_LEVEL_SECONDS": "60"}  # fmt: skip
     proc, url = start_parkq(tiny_model, None, env=env)
     yield url
     stop_parkq(proc)

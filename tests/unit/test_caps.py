@@ -64,8 +64,9 @@ def test_a_tenant_at_max_running_waits_and_the_others_run(store: Store) -> None:
         _put(store, f"a{i}", "alpha", T0, max_running=2)
     _put(store, "b0", "beta", T0 + 1)
     claims = [store.claim(f"w{i}", T0 + 2) for i in range(4)]
-    # alpha's third job is passed over for beta's; then nothing fits.
-    assert [c.job_id if c else None for c in claims] == ["a0", "a1", "b0", None]
+    # beta's job takes its turn after alpha's first; alpha's third is passed
+    # over (two of alpha's run); then nothing fits.
+    assert [c.job_id if c else None for c in claims] == ["a0", "b0", "a1", None]
     a0 = claims[0]
     assert a0 is not None
     _finish(store, "a0", "w0", a0.exec_token, T0 + 3)
@@ -164,3 +165,20 @@ def test_no_sequence_of_steps_runs_more_than_the_cap_or_strands_a_job(
         _finish(store, claim.job_id, f"drain-{at}", claim.exec_token, at)
         at += 1
     assert store.r.zcard(store.keys.queue) == 0
+
+
+def test_a_tenants_batch_lines_do_not_count_toward_its_waiting_requests(store: Store) -> None:
+    k = store.keys
+    ids = [f"line-{i}" for i in range(8)]
+    for job_id in ids:
+        fields = store.job_fields(job_id, "completion", REQUEST, 0, T0, "alpha")
+        store.r.hset(k.pending(job_id), mapping={**fields, "batch": "b1", "max_running": "1"})
+    store.r.rpush(k.batch_pending("b1"), *ids)
+    store.r.hset(k.batch("b1"), mapping={"id": "b1", "status": "in_progress"})
+    fed = store.feed_batch("b1", 8, store.policy.score(0, T0), T0, "alpha", 0, 1.0, caps=True)
+    assert fed == 8 and store.r.scard(k.live_of("alpha")) == 8
+    # Eight lines wait; its requests may still have two waiting.
+    _put(store, "r0", "alpha", T0, max_queued=2, max_running=1)
+    _put(store, "r1", "alpha", T0, max_queued=2, max_running=1)
+    with pytest.raises(TenantQueueFull):
+        _put(store, "r2", "alpha", T0, max_queued=2, max_running=1)

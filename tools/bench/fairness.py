@@ -7,11 +7,11 @@ Starts `parkq up` (embedded Redis, web, one worker of ``--seqs`` sequences) on
 ``--model`` (default: the tiny generated test model, so the scheduler, not the
 engine, is what is measured) with a keys file of four tenants, then:
 
-- **batches**: one tenant's batch of ``--lines`` lines and another's of
-  ``--small`` lines at the same level, created together (each line two
+- **batches**: one tenant's batch of ``--lines`` lines, and once 50 of them
+  have run another's of ``--small`` lines at the same level (each line two
   tokens): how many of the large batch's lines started while the small one
-  ran (first come, first served: all of them; by turns: about as many as
-  the small one has), and each batch's wall time;
+  ran (first come, first served: all of the large one's left; by turns:
+  about as many as the small one has), and each batch's wall time;
 - **weights**: two tenants of weights 2 and 1, each keeping ``--clients``
   requests in flight (more than the worker's sequences, so both always have
   jobs waiting) for ``--seconds``, once with greedy sampling and once with the
@@ -74,6 +74,11 @@ def batches(base: str, lines: int, small: int) -> dict[str, Any]:
         up = client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
         made[key] = client, client.batches.create(input_file_id=up.id, endpoint="/v1/completions",
                                                   completion_window="24h").id  # fmt: skip
+        if key == BIG:  # the small one comes while the large one runs
+            while (got := client.batches.retrieve(made[key][1])).status == "validating" or (
+                got.request_counts is None or got.request_counts.completed < 50
+            ):
+                time.sleep(0.2)
     records: dict[str, list[dict[str, Any]]] = {}
     for key, (client, batch_id) in made.items():
         while (batch := client.batches.retrieve(batch_id)).status != "completed":
