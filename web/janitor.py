@@ -50,10 +50,10 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 return 0
 """
-#: Drops the tenants' fair clocks that no longer count: their last job no
-#: longer waits (a new job of theirs starts at the level's virtual time anyway)
-#: and its key time has passed (a new one comes after it anyway: lib.lua's
-#: fair_start). KEYS[1]: the fair hash; ARGV: now, the job key prefix.
+#: Drops the tenants' fair clocks that no longer count: their last job was
+#: claimed and ended or runs (not waiting, nor cancelled: a cancelled one's key
+#: still keeps the tenant's earlier waiting jobs first) and its key time has
+#: passed (lib.lua's fair_start). KEYS[1]: the fair hash; ARGV: now, the job key prefix.
 _FAIR_SWEEP = """
 local now = tonumber(ARGV[1])
 local all = redis.call('HGETALL', KEYS[1])
@@ -61,7 +61,8 @@ for i = 1, #all, 2 do
   if string.sub(all[i], 1, 2) == 'c|' then
     local key, last = string.match(all[i + 1], '^%S+ (%S+) (.*)$')
     local state = last and redis.call('HGET', ARGV[2] .. last, 'state')
-    if state ~= 'queued' and state ~= 'parked' and (tonumber(key) or 0) < now then
+    if state ~= 'queued' and state ~= 'parked' and state ~= 'cancelled'
+        and (tonumber(key) or 0) < now then
       redis.call('HDEL', KEYS[1], all[i])
     end
   end

@@ -146,8 +146,8 @@ end
 -- and moves the clock on by what it is expected to take (its prompt and an
 -- output as fair_output's averages expect, at most its max_tokens) over the
 -- tenant's weight of the engine's rate (field `rate`: such tokens claimed per
--- second while jobs wait, measured by the janitor, so that virtual time keeps
--- up with real time). It waits as if it had arrived at its start, kept within
+-- second while jobs wait, measured in claim.lua by fair_claimed, so that
+-- virtual time keeps up with real time). It waits as if it had arrived at its start, kept within
 -- `cap` seconds of now (less than a level's worth), and never before its
 -- tenant's last job there while that one waits or was cancelled (a tenant's
 -- jobs keep their order; one claimed was the last of them to wait). Weight 0:
@@ -244,7 +244,10 @@ end
 -- fair_start expects of the next.
 local function fair_output(fair, job, completion)
   if not fair or not completion then return end
-  local owner = redis.call('HGET', job, 'owner') or ''
+  local owner = redis.call('HGET', job, 'owner')
+  if not owner or owner == '' or not redis.call('HGET', job, 'fair_v') then
+    return  -- (no tenant, or no fair turn: nothing expects it)
+  end
   local most = tonumber(redis.call('HGET', job, 'max_out') or '') or 0
   local values = {{'s|' .. owner, completion}}
   if most > 0 then values[2] = {'f|' .. owner, math.min(1, completion / most)} end

@@ -204,11 +204,14 @@ def test_claims_measure_the_rate_and_the_janitor_drops_clocks_that_no_longer_cou
     assert store.claim("w-last", now) is not None
     assert float(fake_redis.hget(k.fair, "rate") or 0) == rate
     _put(store, "b0", "beta", now)
+    # gamma's clock names a job that runs (a0), its key long past.
+    fake_redis.hset(k.fair, "c|0|gamma", f"{now - 5} {now - 10} a0")
     Janitor(app)._fair()
     fields = {f.decode() for f in fake_redis.hkeys(k.fair)}
-    # alpha's last job (cancelled) no longer waits and its turn has passed;
-    # beta's waits.
-    assert "c|0|alpha" not in fields and "c|0|beta" in fields
+    # gamma's no longer counts; beta's job waits; alpha's last job was
+    # cancelled, so its key still keeps alpha's order.
+    assert "c|0|gamma" not in fields
+    assert "c|0|beta" in fields and "c|0|alpha" in fields
 
 
 @hsettings(max_examples=60, deadline=None)
