@@ -296,11 +296,18 @@ def test_weights_2_to_1_give_batches_a_2_to_1_share(base: str, tmp_path: Path) -
     assert 1.8 <= shares[HEAVY] / shares[PLAIN] <= 2.2, shares
 
 
+#: The level the flood tests use, one no earlier test of this module uses: a
+#: level's virtual time, moved by the claims there, can lead or lag real time
+#: by up to half a level (a known limit, scheduler/fairness.py), which would
+#: put the one request forward or back by as much.
+LEVEL = -3
+
+
 def _flood(base: str, key: str, n: int, max_tokens: int, ids: list[str]) -> list[threading.Thread]:
     """``n`` streamed requests of ``key`` at batch priority, sent at once from
     threads; each job's id is added to ``ids`` as soon as it is queued."""
     body = {"model": "tiny", "prompt": "Flood", "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "priority": "batch", "stream": True}  # fmt: skip
+            "temperature": 0, "priority": LEVEL, "stream": True}  # fmt: skip
 
     def one() -> None:
         got = requests.post(base + "/v1/completions", json=body, timeout=300, stream=True,
@@ -330,7 +337,7 @@ def test_one_request_of_a_tenant_does_not_wait_behind_another_tenants_flood(base
     ahead = _queued(base, flood)
     # One request of another tenant at the same level, while 20+ of the flood wait.
     body = {"model": "tiny", "prompt": "Just one", "max_tokens": 400, "ignore_eos": True,
-            "temperature": 0, "priority": "batch"}  # fmt: skip
+            "temperature": 0, "priority": LEVEL}  # fmt: skip
     one = requests.post(base + "/v1/completions", json=body, timeout=300,
                         headers={"Authorization": f"Bearer {CAPPED}"})  # fmt: skip
     assert one.status_code == 200, one.text
