@@ -9,9 +9,11 @@ there, at ``V``. It moves ``F`` on by ``tokens / (weight * rate)``: ``tokens``
 what it is expected to take, ``rate`` the engine's rate in such tokens (those
 of the jobs claimed per second while others waited, measured where they are
 claimed, over about RATE_SECONDS), so that virtual time keeps up with real
-time. Its key is that of a job of its
-level arriving at its start, kept within ``most_seconds`` (half a level's
-worth) of now, and never before its tenant's last job still waiting there.
+time. ``V`` is never taken as behind now (a job is never put forward of its
+arrival), and starts again at now when it runs ahead by more than
+``most_seconds`` (half a level's worth). A job's key is that of a job of its
+level arriving at its start, at most ``most_seconds`` after now, and never
+before its tenant's last job still waiting there.
 The queue never needs rescoring, the claim moves ``V`` and counts the tokens,
 and the enqueue reads one hash and one job state more (lib.lua's fair_start
 and fair_claimed).
@@ -31,12 +33,12 @@ What tests/unit/test_fairness.py checks against the Lua:
 - no key is more than ``most_seconds`` from its arrival (plus a millisecond
   per job of its tenant waiting ahead of it).
 
-Known to fall short (a helper's review, reproduced on fakeredis; open in
-issue 36): ``V`` is tied to real time only through the measured rate and the
-re-anchoring at ``most_seconds``, so a key can be put forward as well as back
-by up to half a level (two tenants arriving within it may be claimed out of
-arrival order; adjacent integer levels, less than a level apart, can invert);
-a tenant's job parked back, or passed over by a claim, can be passed by its
+Known to fall short (helpers' reviews, reproduced on fakeredis; open in
+issue 36): keys are fixed when a job is queued, so the turns of jobs queued at
+different times are compared through the measured rate, as exact as it is
+(measured high, turns flatten toward arrival order; measured low, ``V``
+starts again at now and the turns of the jobs waiting then are lost); a
+tenant's job parked back, or passed over by a claim, can be passed by its
 tenant's newer job; with few jobs waiting per tenant the weights are met
 only roughly (1.6 for 2:1 in a simulation of one claim a second), and with
 work waiting past half a level the turns flatten toward arrival order; the

@@ -147,8 +147,9 @@ end
 -- output as fair_output's averages expect, at most its max_tokens) over the
 -- tenant's weight of the engine's rate (field `rate`: such tokens claimed per
 -- second while jobs wait, measured in claim.lua by fair_claimed, so that
--- virtual time keeps up with real time). It waits as if it had arrived at its start, kept within
--- `cap` seconds of now (less than a level's worth), and never before its
+-- virtual time keeps up with real time; it is never taken as behind now). It
+-- waits as if it had arrived at its start, kept within `cap` seconds after
+-- now (half a level's worth), and never before its
 -- tenant's last job there while that one waits or was cancelled (a tenant's
 -- jobs keep their order; one claimed was the last of them to wait). Weight 0:
 -- no fair turn (it waits from now). Returns the key time (the score is a job
@@ -161,11 +162,13 @@ local function fair_start(fair, job, now, weight, default_out, default_rate, cap
   local got = redis.call('HMGET', fair, field, 's|' .. owner, 'rate', 'f|' .. owner,
                          'v|' .. level)
   local v = tonumber(got[5])
-  if not v or v < now - cap or v > now + cap then
-    -- (the level's first turn, or virtual time that strayed from real time: a
-    -- rate measured wrong, an idle level: it starts again at now)
+  if not v or v > now + cap then
+    -- (the level's first turn, or virtual time run ahead of real time by more
+    -- than a turn may put a job back: a rate measured low; it starts again at now)
     v = now
     redis.call('HSET', fair, 'v|' .. level, string.format('%.17g', v))
+  elseif v < now then
+    v = now  -- (behind real time: no job is put forward of its arrival)
   end
   local start, floor = v, nil
   if got[1] then

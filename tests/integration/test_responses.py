@@ -105,13 +105,20 @@ def test_a_background_response_runs_on_when_its_reader_leaves(
 ) -> None:
     """Past the disconnect grace period (1 s here) an interactive job whose
     reader left is cancelled (tests/integration/test_disconnect.py); an
-    interactive background response is not."""
+    interactive background response is not. The worker is held (SIGSTOP) while
+    the reader is away, so the job cannot end before the grace period has
+    passed, however fast the machine."""
     args = {**LONG, "max_output_tokens": 3000, "extra_body": {"seed": 7, "ignore_eos": True}}
+    worker = cluster.procs["wr"]
     with client.responses.create(background=True, stream=True, **args) as events:
-        created = next(iter(events))  # an interactive one (the default priority)
-    response_id = created.response.id
-    time.sleep(2.5)  # its reader gone for longer than the grace period
-    assert job(cluster.base_url, response_id)["state"] in ("running", "parked", "queued")
+        seen = iter(events)
+        response_id = next(seen).response.id  # an interactive one (the default priority)
+        next(e for e in seen if e.type == "response.output_text.delta")  # it runs
+        worker.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(2.0)  # its reader gone for longer than the grace period (< the TTL, 3 s)
+    finally:
+        worker.send_signal(signal.SIGCONT)
     final = _finished(client, response_id)
     assert final.status == "incomplete" and final.usage is not None
     assert final.usage.output_tokens == 3000

@@ -62,9 +62,10 @@ def test_a_parked_job_counts_as_waiting(store: Store) -> None:
 def test_a_tenant_at_max_running_waits_and_the_others_run(store: Store) -> None:
     for i in range(3):
         _put(store, f"a{i}", "alpha", T0, max_running=2)
-    _put(store, "b0", "beta", T0 + 1)
+    _put(store, "b0", "beta", T0 + 0.1)
     claims = [store.claim(f"w{i}", T0 + 2) for i in range(4)]
-    # beta's job takes its turn after alpha's first; alpha's third is passed
+    # alpha's second is due 0.26 s after its first (13 tokens at 50 a second):
+    # beta's job takes its turn between them; alpha's third is passed
     # over (two of alpha's run); then nothing fits.
     assert [c.job_id if c else None for c in claims] == ["a0", "b0", "a1", None]
     a0 = claims[0]
