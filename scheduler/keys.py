@@ -141,10 +141,10 @@ class Keys:
         """Hash of the tenants' fair turns (scheduler/fairness.py): each level's
         virtual time (``v|<level>``), each tenant's clock per level
         (``c|<level>|<tenant>``), its usual output tokens and share of
-        max_tokens (``s|<tenant>``, ``f|<tenant>``), and the rate turns are
-        taken at (``rate``, ``rate_at``). Bound: a clock is dropped by the
-        janitor once it no longer counts; the others are one per level or
-        tenant."""
+        max_tokens (``s|<tenant>``, ``f|<tenant>``), and the speed each
+        level's virtual time moves at (``g|<level>``, ``g_at|<level>``).
+        Bound: a clock is dropped by the janitor once it no longer counts; the
+        others are one per level or tenant."""
         return f"{self.base}:fair"
 
     @property

@@ -428,7 +428,7 @@ class Store:
         most seconds a turn puts a job back."""
         on = self.settings.fair_share and weight > 0
         return [repr(weight if on else 0.0), repr(self.policy.aging_rate),
-                fairness.DEFAULT_OUTPUT, repr(fairness.DEFAULT_RATE),
+                fairness.DEFAULT_OUTPUT, repr(fairness.DEFAULT_SPEED),
                 repr(fairness.most_seconds(self.policy.level_seconds))]  # fmt: skip
 
     def feed_batch(self, batch_id: str, window: int, score: float, now: float,
@@ -741,8 +741,9 @@ class Store:
                 self.model.device if self.model else "CPU",
                 self._scan_limit,
                 secrets.token_hex(4),
-                repr(fairness.RATE_SECONDS),
-                repr(fairness.MIN_RATE),
+                fairness.SPEED_CLAIMS,
+                repr(fairness.MIN_SPEED),
+                fairness.LOOK,
             ],
         )
         if not got:

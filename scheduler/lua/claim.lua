@@ -6,8 +6,9 @@
 --       worker's model ('' for any), the name of the worker's process (its
 --       sequences share the process's checkpoints), the worker's device, the
 --       most queue entries to look at in all, a nonce for the execution token
---       (see lib.lua's token), the fair rate's time constant and its floor
---       (lib.lua's fair_claimed)
+--       (see lib.lua's token), how many claims the fair speed averages over
+--       and its floor (lib.lua's fair_claimed), how many jobs that fit a
+--       claim compares by their fair turns
 -- The queue is read in pages until a job fits: jobs this worker may not take
 -- (another model's, parked jobs left to their holder) never hide the ones
 -- behind them.
@@ -48,76 +49,101 @@ local now = tonumber(ARGV[3])
 local affinity = tonumber(ARGV[5])
 local page = tonumber(ARGV[6])
 local limit = tonumber(ARGV[11])
+local look = tonumber(ARGV[15])
 local first = 0
 local live_base = string.match(ARGV[1], '^(.*):job:$')
 local running_states = {[S.running] = true, [S.parking] = true}
 local full = {}  -- tenant: at its max_running (read once per claim)
-while first < limit do
+
+-- Whether this worker may take the waiting job `id`, whose record's fields
+-- are `f` (FIELDS).
+local function fits(id, job, f)
+  if ARGV[8] ~= '' and f[2] and f[2] ~= ARGV[8] then
+    return false
+  elseif f[1] == S.parked then
+    local p = redis.call('HMGET', job, 'ckpt_worker', 'parked_at', 'run_seconds')
+    local holder, parked_at, ran = p[1], tonumber(p[2] or '0'), tonumber(p[3] or '0')
+    if holder and holder ~= ARGV[9] and now - parked_at < math.max(affinity, ran) then
+      local alive = tonumber(redis.call('ZSCORE', KEYS[4], holder) or '0')
+      if alive > now then return false end
+    end
+  end
+  local cap = tonumber(f[3] or '') or 0
+  if cap > 0 and live_base then
+    local live = live_base .. ':live:' .. (f[4] or '')
+    if full[live] == nil then
+      full[live] = count_live(live, ARGV[1], running_states) >= cap
+    end
+    if full[live] then return false end
+    redis.call('SADD', live, id)  -- (a job queued before its tenant had caps)
+  end
+  return true
+end
+
+-- The job to take: the first that fits, or, where it took a fair turn, the
+-- one of the earliest virtual start (lib.lua's fair_start) among the next
+-- `look` that fit and took fair turns at its level, up to the first that fits
+-- of another level or without a turn (the keys place a job by the speed its
+-- level's virtual time was measured at when it was queued; among those in
+-- sight the virtual starts themselves decide, whatever the speed since).
+local best, best_v, best_level
+local seen = 0
+while first < limit and seen < look do
   local top = redis.call('ZRANGE', KEYS[1], first, first + page - 1)
   if #top == 0 then break end
   local removed = 0
   for _, id in ipairs(top) do
     local job = ARGV[1] .. id
-    local state = redis.call('HGET', job, 'state')
-    if not state or not claimable[state] then
+    local f = redis.call('HMGET', job, 'state', 'model_digest', 'max_running', 'owner',
+                         'fair_v', 'priority')
+    if not f[1] or not claimable[f[1]] then
       redis.call('ZREM', KEYS[1], id)  -- stale entry: the job ended meanwhile
       removed = removed + 1
-    else
-      local mine = true
-      local wants = redis.call('HGET', job, 'model_digest')
-      if ARGV[8] ~= '' and wants and wants ~= ARGV[8] then
-        mine = false
-      elseif state == S.parked then
-        local holder = redis.call('HGET', job, 'ckpt_worker')
-        local parked_at = tonumber(redis.call('HGET', job, 'parked_at') or '0')
-        local ran = tonumber(redis.call('HGET', job, 'run_seconds') or '0')
-        if holder and holder ~= ARGV[9] and now - parked_at < math.max(affinity, ran) then
-          local alive = tonumber(redis.call('ZSCORE', KEYS[4], holder) or '0')
-          if alive > now then mine = false end
-        end
+    elseif fits(id, job, f) then
+      local v, level = tonumber(f[5]), f[6] or '0'
+      if not best then
+        best, best_v, best_level = id, v, level
+        if not v then break end
+      elseif not v or level ~= best_level then
+        seen = look
+        break
+      elseif v < best_v then
+        best, best_v = id, v
       end
-      local cap = tonumber(redis.call('HGET', job, 'max_running') or '') or 0
-      if mine and cap > 0 and live_base then
-        local live = live_base .. ':live:' .. (redis.call('HGET', job, 'owner') or '')
-        if full[live] == nil then
-          full[live] = count_live(live, ARGV[1], running_states) >= cap
-        end
-        if full[live] then
-          mine = false
-        else
-          redis.call('SADD', live, id)  -- (a job queued before its tenant had caps)
-        end
-      end
-      if mine then
-        redis.call('ZREM', KEYS[1], id)
-        redis.call('HINCRBY', job, 'exec', 1)
-        redis.call('HSET', job, 'nonce', ARGV[12])
-        local exec = token(job)
-        if live_base then
-          fair_claimed(live_base .. ':fair', job, now, redis.call('ZCARD', KEYS[1]) > 0,
-                       tonumber(ARGV[13]), tonumber(ARGV[14]))
-        end
-        move(job, S.running)
-        redis.call('HSET', job, 'worker', ARGV[2], 'resumed_at', ARGV[3])
-        redis.call('HSETNX', job, 'started_at', ARGV[3])
-        local key = -tonumber(redis.call('HGET', job, 'score'))
-        redis.call('HSET', KEYS[2], 'job', id, 'exec', exec, 'since', ARGV[3], 'key', key,
-                   'pinned', ARGV[7])
-        redis.call('HDEL', KEYS[2], 'preempt')
-        redis.call('ZADD', KEYS[3], key, ARGV[2])
-        local was = redis.call('HGET', job, 'device')
-        local moved = ''
-        if not was then
-          redis.call('HSET', job, 'device', ARGV[10])
-        elseif was ~= ARGV[10] then
-          moved = was
-          redis.call('HSET', job, 'device', ARGV[10])
-          redis.call('HINCRBY', job, 'device_moves', 1)
-        end
-        return {id, exec, moved}
-      end
+      seen = seen + 1
+      if seen >= look then break end
     end
   end
+  if best and (not best_v or seen >= look) then break end
   first = first + #top - removed
 end
-return false
+if not best then return false end
+
+local id = best
+local job = ARGV[1] .. id
+redis.call('ZREM', KEYS[1], id)
+redis.call('HINCRBY', job, 'exec', 1)
+redis.call('HSET', job, 'nonce', ARGV[12])
+local exec = token(job)
+if live_base then
+  fair_claimed(live_base .. ':fair', job, now, redis.call('ZCARD', KEYS[1]) > 0,
+               tonumber(ARGV[13]), tonumber(ARGV[14]))
+end
+move(job, S.running)
+redis.call('HSET', job, 'worker', ARGV[2], 'resumed_at', ARGV[3])
+redis.call('HSETNX', job, 'started_at', ARGV[3])
+local key = -tonumber(redis.call('HGET', job, 'score'))
+redis.call('HSET', KEYS[2], 'job', id, 'exec', exec, 'since', ARGV[3], 'key', key,
+           'pinned', ARGV[7])
+redis.call('HDEL', KEYS[2], 'preempt')
+redis.call('ZADD', KEYS[3], key, ARGV[2])
+local was = redis.call('HGET', job, 'device')
+local moved = ''
+if not was then
+  redis.call('HSET', job, 'device', ARGV[10])
+elseif was ~= ARGV[10] then
+  moved = was
+  redis.call('HSET', job, 'device', ARGV[10])
+  redis.call('HINCRBY', job, 'device_moves', 1)
+end
+return {id, exec, moved}

@@ -2,7 +2,7 @@
 -- KEYS: job hash, queue zset, wake list, fair hash (see lib.lua's fair_start),
 --       the tenant's live set (Keys.live_of)
 -- ARGV: id, score for now, now, queue limit (0: none), the tenant's weight
---       (0: no fair turn), aging rate, default output tokens, default rate,
+--       (0: no fair turn), aging rate, default output tokens, default speed,
 --       the fair turn's most seconds, the tenant's max_queued (0: none), '1'
 --       to list the job in the tenant's live set (the tenant has caps), field,
 --       value, ...

@@ -13,7 +13,7 @@
 -- ARGV: now, job key prefix, window, score for now, live states (csv), pending
 --       prefix, the tenant's tokens per minute (0: no limit), the tenant's
 --       weight (0: no fair turn), aging rate, default output tokens, default
---       rate, the fair turn's most seconds, '1' when the tenant has caps
+--       speed, the fair turn's most seconds, '1' when the tenant has caps
 if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress'
     or redis.call('HEXISTS', KEYS[1], 'expired_at') == 1 then  -- (past its window)
   return 0

@@ -138,54 +138,53 @@ end
 
 -- Fair turns between tenants at one priority level (scheduler/fairness.py):
 -- start-time fair queueing. Each level has a virtual time (field `v|<level>`
--- of the fair hash: the virtual start of the last job claimed there, set by
--- claim.lua), each tenant a clock per level (`c|<level>|<tenant>`: '<virtual
--- finish of its last job> <that job's key time> <its id>'). A job starts at the
--- level's virtual time, or at its tenant's clock while the tenant's last job
--- there still waits (the tenant is behind: what it was charged has not run),
--- and moves the clock on by what it is expected to take (its prompt and an
--- output as fair_output's averages expect, at most its max_tokens) over the
--- tenant's weight of the engine's rate (field `rate`: such tokens claimed per
--- second while jobs wait, measured in claim.lua by fair_claimed, so that
--- virtual time keeps up with real time; it is never taken as behind now). It
--- waits as if it had arrived at its start, kept within `cap` seconds after
--- now (half a level's worth), and never before its
--- tenant's last job there while that one waits or was cancelled (a tenant's
--- jobs keep their order; one claimed was the last of them to wait). Weight 0:
--- no fair turn (it waits from now). Returns the key time (the score is a job
--- of its level arriving then).
-local function fair_start(fair, job, now, weight, default_out, default_rate, cap)
+-- of the fair hash, in tokens per unit of weight: the virtual start of the
+-- last job claimed there, set by claim.lua), each tenant a clock per level
+-- (`c|<level>|<tenant>`: '<virtual finish of its last job> <that job's key
+-- time> <its id>'). A job starts at the level's virtual time, or at its
+-- tenant's clock while the tenant's last job there still waits (the tenant is
+-- behind: what it was charged has not run), and moves the clock on by what it
+-- is expected to take (its prompt and an output as fair_output's averages
+-- expect, at most its max_tokens) over the tenant's weight. It waits as if it
+-- had arrived as long after now as the level's virtual time takes to reach
+-- its start, at the speed claims moved it lately (field `g|<level>`, measured
+-- by fair_claimed; `default_speed` before), at most `cap` seconds (half a
+-- level's worth) and never before now, and never before its tenant's last
+-- job there while that one waits or was cancelled (a tenant's jobs keep their
+-- order; one claimed was the last of them to wait). Weight 0: no fair turn (it
+-- waits from now). Returns the key time (the score is a job of its level
+-- arriving then).
+local function fair_start(fair, job, now, weight, default_out, default_speed, cap)
   if weight <= 0 then return now end
   local owner = redis.call('HGET', job, 'owner') or ''
   local level = redis.call('HGET', job, 'priority') or '0'
   local field = 'c|' .. level .. '|' .. owner
-  local got = redis.call('HMGET', fair, field, 's|' .. owner, 'rate', 'f|' .. owner,
+  local got = redis.call('HMGET', fair, field, 's|' .. owner, 'g|' .. level, 'f|' .. owner,
                          'v|' .. level)
   local v = tonumber(got[5])
-  if not v or v > now + cap then
-    -- (the level's first turn, or virtual time run ahead of real time by more
-    -- than a turn may put a job back: a rate measured low; it starts again at now)
-    v = now
-    redis.call('HSET', fair, 'v|' .. level, string.format('%.17g', v))
-  elseif v < now then
-    v = now  -- (behind real time: no job is put forward of its arrival)
+  if not v then
+    v = 0  -- (the level's first turn: any origin will do, only differences count)
+    redis.call('HSET', fair, 'v|' .. level, '0')
   end
   local start, floor = v, nil
   if got[1] then
     local f, key, last = string.match(got[1], '^(%S+) (%S+) (.*)$')
     if f and last then
-      local state = redis.call('HGET', string.match(job, '^(.-:job:)') .. last, 'state')
-      if state == S.queued or state == S.parked then
+      local was = redis.call('HMGET', string.match(job, '^(.-:job:)') .. last, 'state', 'fair_v')
+      if was[1] == S.queued or was[1] == S.parked then
         start = math.max(v, tonumber(f) or v)
         floor = tonumber(key)
-      elseif state == S.cancelled then
-        floor = tonumber(key)  -- (its earlier jobs may still wait: not before them)
+      elseif was[1] == S.cancelled then
+        -- (its earlier jobs may still wait: not before them; it takes the
+        -- cancelled job's turn, not the one after)
+        start = math.max(v, tonumber(was[2]) or v)
+        floor = tonumber(key)
       end
     end
   end
   local out = tonumber(got[2]) or default_out
-  local rate = tonumber(got[3]) or default_rate
-  if rate <= 0 then rate = default_rate end
+  local speed = tonumber(got[3]) or default_speed
+  if speed <= 0 then speed = default_speed end
   local most = tonumber(redis.call('HGET', job, 'max_out') or '') or 0
   if most > 0 then
     -- The larger of its usual output and its usual share of max_tokens, at
@@ -195,9 +194,9 @@ local function fair_start(fair, job, now, weight, default_out, default_rate, cap
   end
   local prompt = tonumber(redis.call('HGET', job, 'prompt_n') or '0') or 0
   local tokens = (prompt + math.max(1, out)) / weight
-  local at = math.min(start, now + cap)
+  local at = now + math.min(math.max(start - v, 0) / speed, cap)
   if floor and at <= floor then at = floor + 0.001 end  -- (its own order kept)
-  redis.call('HSET', fair, field, string.format('%.17g', start + tokens / rate) .. ' '
+  redis.call('HSET', fair, field, string.format('%.17g', start + tokens) .. ' '
              .. string.format('%.17g', at) .. ' ' .. redis.call('HGET', job, 'id'))
   redis.call('HSET', job, 'fair_start', string.format('%.17g', at),
              'fair_v', string.format('%.17g', start), 'fair_tokens', string.format('%.17g', tokens))
@@ -205,33 +204,43 @@ local function fair_start(fair, job, now, weight, default_out, default_rate, cap
 end
 
 -- A claimed job moves its level's virtual time to its own virtual start
--- (fair_start): a turn taken there starts no earlier. While other jobs wait
--- (`busy`), its expected tokens over its tenant's weight go into the rate
--- turns are taken at (field `rate`: such tokens per second, an average that
--- forgets with a time constant of `tau` seconds; the seconds since the last
--- such claim count up to `tau`, so an idle spell does not empty it).
-local function fair_claimed(fair, job, now, busy, tau, min_rate)
-  local got = redis.call('HMGET', job, 'fair_v', 'fair_tokens', 'priority')
+-- (fair_start): a turn taken there starts no earlier. The speed virtual time
+-- moves at (field `g|<level>`) is how far it moved over how long, each an
+-- average over about the last `claims` claims at the level (field
+-- `g_at|<level>`: '<the last claim's time> <moved> <seconds>'), counted
+-- between two claims that both left other jobs waiting (`busy`): no idle
+-- spell counts. A parked job claimed again does not move it.
+local function fair_claimed(fair, job, now, busy, claims, min_speed)
+  local got = redis.call('HMGET', job, 'fair_v', 'priority')
   local fv = tonumber(got[1])
   if not fv then return end
-  local field = 'v|' .. (got[3] or '0')
-  local cur = tonumber(redis.call('HGET', fair, field) or '')
+  local level = got[2] or '0'
+  local r = redis.call('HMGET', fair, 'v|' .. level, 'g_at|' .. level)
+  local cur = tonumber(r[1])
+  local moved = 0
   if not cur or fv > cur then
-    redis.call('HSET', fair, field, string.format('%.17g', fv))
+    redis.call('HSET', fair, 'v|' .. level, string.format('%.17g', fv))
+    if cur then moved = fv - cur end
   end
-  if busy then
-    local r = redis.call('HMGET', fair, 'rate', 'rate_at')
-    local rate, at = tonumber(r[1]), tonumber(r[2])
-    local tokens = tonumber(got[2]) or 0
-    if at then
-      local dt = math.min(math.max(0, now - at), tau)
-      rate = (rate or 0) * math.exp(-dt / tau) + tokens / tau
+  if not busy then
+    redis.call('HDEL', fair, 'g_at|' .. level)
+    return
+  end
+  local at, dv, dt = string.match(r[2] or '', '^(%S+) (%S+) (%S+)$')
+  at, dv, dt = tonumber(at), tonumber(dv), tonumber(dt)
+  if at then
+    local a = 1 / claims
+    if dv and dt and dt > 0 then
+      dv, dt = dv + a * (moved - dv), dt + a * (math.max(0, now - at) - dt)
+    else
+      dv, dt = moved, math.max(0, now - at)
     end
-    redis.call('HSET', fair, 'rate_at', string.format('%.17g', now))
-    if rate then
-      redis.call('HSET', fair, 'rate', string.format('%.17g', math.max(rate, min_rate)))
+    if dt > 0 and dv > 0 then
+      redis.call('HSET', fair, 'g|' .. level, string.format('%.17g', math.max(dv / dt, min_speed)))
     end
   end
+  redis.call('HSET', fair, 'g_at|' .. level, string.format('%.17g', now) .. ' '
+             .. string.format('%.17g', dv or 0) .. ' ' .. string.format('%.17g', dt or 0))
 end
 
 -- The score of a job of the level whose score now is `score_now` (a string)

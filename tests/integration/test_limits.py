@@ -296,10 +296,8 @@ def test_weights_2_to_1_give_batches_a_2_to_1_share(base: str, tmp_path: Path) -
     assert 1.8 <= shares[HEAVY] / shares[PLAIN] <= 2.2, shares
 
 
-#: The level the flood tests use, one no earlier test of this module uses: a
-#: level's virtual time, moved by the claims there, can lead or lag real time
-#: by up to half a level (a known limit, scheduler/fairness.py), which would
-#: put the one request forward or back by as much.
+#: The level the flood tests use, one no earlier test of this module uses, so
+#: that the tenants' turns taken there by earlier tests do not enter into it.
 LEVEL = -3
 
 
