@@ -2,6 +2,7 @@
 #   docker build --build-arg BACKEND=cpu  -t parkq:cpu  .
 #   docker build --build-arg BACKEND=cuda -t parkq:cuda .   # llama.cpp with CUDA
 # No secrets are baked in: Redis URL, password and API keys come from the environment.
+# No model either: PARKQ_MODEL names a GGUF in a mounted volume.
 ARG BACKEND=cpu
 ARG CUDA_IMAGE_TAG=12.6.3
 
@@ -30,7 +31,7 @@ COPY tools ./tools
 RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir --upgrade pip \
  && /opt/venv/bin/python -m tools.llamapatch ensure \
- && /opt/venv/bin/pip install --no-cache-dir ".[demo]"
+ && /opt/venv/bin/pip install --no-cache-dir .
 
 # ---- runtime stages ----------------------------------------------------------
 FROM python:3.11-slim-bookworm AS runtime-cpu
@@ -47,8 +48,8 @@ RUN apt-get update \
 FROM runtime-${BACKEND}
 COPY --from=build /opt/venv /opt/venv
 RUN useradd --create-home --uid 10001 parkq \
- && mkdir -p /models \
- && chown parkq /models
+ && mkdir -p /models /cache \
+ && chown parkq /models /cache
 USER 10001
 WORKDIR /home/parkq
 ENV PATH=/opt/venv/bin:$PATH \

@@ -184,7 +184,8 @@ class Settings(BaseSettings):
     api_keys: str | None = Field(
         None,
         description="Comma-separated API keys, each `key` or `name:key`; when set, every "
-        "route but /healthz needs `Authorization: Bearer <key>`, and each key sees only the "
+        "route but the probes (/livez, /readyz, /healthz) needs `Authorization: Bearer <key>`, "
+        "and each key sees only the "
         "jobs, files and batches it created (keys under one name are one tenant: rotate a "
         "key by adding the new one under the same name).",
     )

@@ -32,6 +32,14 @@ ensure_venv() {
   fi
   # llama.cpp with parkq's patches (tools/llamapatch): compiled once per machine
   # (minutes), cached; a venv that has it already costs one import here.
+  # Compiling it takes a C++ compiler: say so in one line before minutes of pip.
+  if ! .venv/bin/python -c 'import llama_cpp' >/dev/null 2>&1 &&
+    ! ls "${PARKQ_CACHE_DIR:-$HOME/.cache/parkq}"/wheels/*/llama_cpp_python-*.whl >/dev/null 2>&1 &&
+    ! command -v c++ >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1; then
+    echo "parkq: building llama.cpp needs a C++ compiler and none was found" \
+      "(Debian, Ubuntu: sudo apt-get install g++)" >&2
+    exit 1
+  fi
   if ! .venv/bin/python -m tools.llamapatch ensure; then
     echo "parkq: WARNING: parkq's patched llama.cpp did not build or install (above);" \
       "with a stock llama-cpp-python exact mode decodes fewer sequences per call," \
@@ -52,7 +60,7 @@ ensure_venv() {
 ensure_system_packages() {
   local need=()
   command -v chromium >/dev/null 2>&1 || need+=(chromium)
-  command -v cc >/dev/null 2>&1 || need+=(build-essential)
+  { command -v cc && command -v c++; } >/dev/null 2>&1 || need+=(build-essential)
   command -v cmake >/dev/null 2>&1 || need+=(cmake)
   [ ${#need[@]} -eq 0 ] && return
   local sudo=""

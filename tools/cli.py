@@ -27,7 +27,24 @@ def _stop_on_signals(handler: Any) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def _version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """`parkq --version`: parkq's and the llama-cpp-python it runs (a job's
+    tokens depend on the latter: the CHANGELOG says when an upgrade changes them)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        engine = version("llama_cpp_python")
+    except PackageNotFoundError:
+        engine = "not installed"
+    click.echo(f"parkq {version('parkq')} (llama-cpp-python {engine})")
+    ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_version,
+              help="Show parkq's version and llama-cpp-python's, and exit.")  # fmt: skip
 def main() -> None:
     """parkq: interactive LLM requests never wait behind long jobs."""
 

@@ -90,15 +90,20 @@ ENV_HEAD = """\
 # listed with its default; uncomment to change. Never commit the real .env.
 # (Regenerate with: .venv/bin/python scripts/gen_docs.py)
 
-# Required: the password of the compose Redis (the app connects with it).
-REDIS_PASSWORD=change-me
+# Required: the password of the compose Redis (the app connects with it). Left
+# empty, compose refuses to start; make a long random one: openssl rand -hex 24
+REDIS_PASSWORD=
+# Which worker runs: `gpu` (the CUDA image, one NVIDIA GPU: needs the NVIDIA
+# container toolkit) or `cpu` (the CPU image, no GPU). Add `dashboard` for
+# rq-dashboard (e.g. gpu,dashboard).
+COMPOSE_PROFILES=gpu
 # The GGUF file inside the `models` volume, and where the web port is published:
 # loopback only by default; 0.0.0.0:8000 opens it to the network (set PARKQ_API_KEYS).
 PARKQ_MODEL_FILE=model.gguf
 PARKQ_PUBLISH=127.0.0.1:8000
 """
 #: Settings compose.yaml sets itself.
-SET_BY_COMPOSE = {"redis_url", "model", "host", "port"}
+SET_BY_COMPOSE = {"redis_url", "model", "host", "port", "cache_dir"}
 
 
 def env_example() -> str:

@@ -302,8 +302,18 @@ def detokenize() -> Any:
     return jsonify({"text": text})
 
 
+@bp.get("/livez")
+def livez() -> Any:
+    """The process answers (a liveness probe: nothing else is asked, so Redis
+    down or no worker up does not get a healthy web process restarted)."""
+    return jsonify({"status": "ok"})
+
+
+@bp.get("/readyz")
 @bp.get("/healthz")
 def healthz() -> Any:
+    """Ready to serve (a readiness probe): Redis answers and a live worker
+    serves this server's model; 503 otherwise."""
     runtime = current()
     fleet = Fleet({}, {})
     try:

@@ -1,4 +1,4 @@
-"""API keys: `Authorization: Bearer <key>` on every route but /healthz; the key
+"""API keys: `Authorization: Bearer <key>` on every route but the probes; the key
 decides the caller's tenant (web/tenants.py)."""
 
 from __future__ import annotations
@@ -15,8 +15,11 @@ from web.tenants import NOBODY, caller_of
 
 __all__ = ["init_app"]
 
-#: Endpoints anyone may call: liveness, and the dashboard page and its sign-in.
-OPEN_ENDPOINTS = frozenset({"api.healthz", "dashboard.page", "dashboard.login", "static"})
+#: Endpoints anyone may call: the probes (/livez; /readyz and /healthz, one
+#: endpoint), and the dashboard page and its sign-in.
+OPEN_ENDPOINTS = frozenset(
+    {"api.healthz", "api.livez", "dashboard.page", "dashboard.login", "static"}
+)
 
 
 def _match(given: str, keys: tuple[ApiKey, ...]) -> ApiKey | None:

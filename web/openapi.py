@@ -181,7 +181,8 @@ def spec(secured: bool = False) -> dict[str, Any]:
     if not secured:
         del doc["security"]
         del doc["components"]["securitySchemes"]
-        doc["paths"]["/healthz"]["get"].pop("security")
+        for probe in ("/livez", "/readyz", "/healthz"):
+            doc["paths"][probe]["get"].pop("security")
     _name_operations(paths)
     return doc
 
@@ -494,29 +495,45 @@ def _batch_paths() -> dict[str, Any]:
 
 
 def _health_paths() -> dict[str, Any]:
-    """Liveness of the whole deployment."""
+    """The probes: the process alive, the deployment ready."""
+    ready = _ready_path("Redis reachable and workers serving this server's model alive")
     return {
-        "/healthz": {
+        "/livez": {
             "get": {
-                "summary": "Redis reachable and workers serving this server's model alive",
+                "summary": "The web process answers (asks nothing of Redis or the workers)",
                 "security": [],
                 "responses": {
-                    "200": _json(_obj("status", "redis", "workers", status={"const": "ok"})),
-                    "503": _json(
-                        _obj(
-                            "status",
-                            "redis",
-                            "workers",
-                            status={"enum": ["unavailable", "model_mismatch"]},
-                            other_models={"type": "array", "items": STR},
-                        ),
-                        "Unavailable: Redis down, no live worker, or only workers serving another "
-                        "model (other_models)",
-                    ),
+                    "200": _json(_obj("status", status={"const": "ok"})),
                     "414": URI_TOO_LONG,
                 },
             }
         },
+        "/readyz": _ready_path("Ready: Redis reachable and a live worker serving this model"),
+        "/healthz": ready,
+    }
+
+
+def _ready_path(summary: str) -> dict[str, Any]:
+    return {
+        "get": {
+            "summary": summary,
+            "security": [],
+            "responses": {
+                "200": _json(_obj("status", "redis", "workers", status={"const": "ok"})),
+                "503": _json(
+                    _obj(
+                        "status",
+                        "redis",
+                        "workers",
+                        status={"enum": ["unavailable", "model_mismatch"]},
+                        other_models={"type": "array", "items": STR},
+                    ),
+                    "Unavailable: Redis down, no live worker, or only workers serving another "
+                    "model (other_models)",
+                ),
+                "414": URI_TOO_LONG,
+            },
+        }
     }
 
 

@@ -55,9 +55,14 @@ def test_streams_queued_and_parked_jobs_survive_a_redis_restart(
         wait_until(lambda: job(base, job_id)["state"] == "parked", timeout=60)
         wait_until(lambda: job(base, urgent_id)["tokens"] > 100, timeout=60)
         redis.stop()
+        # The probes meanwhile: the web process is alive, not ready.
+        assert requests.get(base + "/livez", timeout=5).json() == {"status": "ok"}
+        ready = requests.get(base + "/readyz", timeout=30)
+        assert ready.status_code == 503 and ready.json()["redis"] is False
         redis.start(*AOF)
         t0 = time.monotonic()
         wait_until(lambda: _healthy(base), 30)
+        assert requests.get(base + "/readyz", timeout=5).json()["status"] == "ok"
         print(f"\nredis restart: /healthz back after {time.monotonic() - t0:.2f} s")
         for thread in (reader, urgent_reader):
             thread.join(timeout=120)

@@ -1,4 +1,4 @@
-"""API keys on every route but /healthz."""
+"""API keys on every route but the probes (/livez, /readyz, /healthz)."""
 
 from __future__ import annotations
 
@@ -30,12 +30,13 @@ def _routes(app: Flask) -> list[tuple[str, str]]:
     return out
 
 
-def test_every_route_but_healthz_needs_a_valid_key(app: Flask) -> None:
+def test_every_route_but_the_probes_needs_a_valid_key(app: Flask) -> None:
     client = app.test_client()
     routes = _routes(app)
     assert ("POST", "/v1/chat/completions") in routes and ("GET", "/healthz") in routes
-    # Open: liveness, the dashboard page (it asks for a key) and its sign-in form.
-    open_routes = {("GET", "/healthz"), ("GET", "/"), ("POST", "/dashboard/login")}
+    # Open: the probes, the dashboard page (it asks for a key) and its sign-in form.
+    probes = {("GET", "/healthz"), ("GET", "/livez"), ("GET", "/readyz")}
+    open_routes = {*probes, ("GET", "/"), ("POST", "/dashboard/login")}
     for method, path in routes:
         if (method, path) in open_routes:
             with client.open(path, method=method) as resp:

@@ -60,21 +60,32 @@ def test_redis_is_private_protected_durable_and_checked(compose: dict[str, Any])
 
 
 def test_web_and_worker(compose: dict[str, Any]) -> None:
-    web, worker = compose["services"]["web"], compose["services"]["worker"]
+    services = compose["services"]
+    web, worker, cpu = services["web"], services["worker"], services["worker-cpu"]
     assert web["depends_on"]["redis"]["condition"] == "service_healthy"
     # Published on loopback unless the operator opens it.
     assert web["ports"] == ["${PARKQ_PUBLISH:-127.0.0.1:8000}:8000"]
-    assert "healthcheck" in web
-    assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
+    # Its health is its liveness: no worker up yet is no reason to restart it.
+    assert "/livez" in " ".join(web["healthcheck"]["test"])
+    # One worker per profile: the GPU one (the CUDA image) or the CPU one.
+    assert worker["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]
+    assert worker["build"]["args"]["BACKEND"] == "cuda" and worker["image"] == "parkq:cuda"
+    assert cpu["build"]["args"]["BACKEND"] == "cpu" and cpu["image"] == "parkq:cpu"
     devices = worker["deploy"]["resources"]["reservations"]["devices"]
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
-    grace = re.fullmatch(r"(\d+)s", worker["stop_grace_period"])
-    assert grace and int(grace.group(1)) >= 30
-    for service in (web, worker):
+    assert not cpu["deploy"]
+    for w in (worker, cpu):
+        assert w["command"] == ["worker"]
+        assert w["depends_on"]["redis"]["condition"] == "service_healthy"
+        grace = re.fullmatch(r"(\d+)s", w["stop_grace_period"])
+        assert grace and int(grace.group(1)) >= 30 and w["stop_signal"] == "SIGTERM"
+        # The kernel probe's verdicts outlive a re-created container.
+        assert w["environment"]["PARKQ_CACHE_DIR"] == "/cache" and "cache:/cache" in w["volumes"]
+    for service in (web, worker, cpu):
         assert "${REDIS_PASSWORD" in service["environment"]["PARKQ_REDIS_URL"]
         assert "models:/models:ro" in service["volumes"]
-    assert "models" in compose["volumes"]
-    assert compose["services"]["rq-dashboard"]["profiles"] == ["dashboard"]
+    assert {"models", "cache", "redis-data"} <= set(compose["volumes"])
+    assert services["rq-dashboard"]["profiles"] == ["dashboard"]
 
 
 def test_dockerfile_builds_cpu_or_cuda_and_runs_unprivileged() -> None:
@@ -84,10 +95,14 @@ def test_dockerfile_builds_cpu_or_cuda_and_runs_unprivileged() -> None:
     users = re.findall(r"^USER (\S+)", text, flags=re.M)
     assert users and users[-1] not in ("root", "0")
     assert not re.search(r"(PASSWORD|API_KEYS|SECRET)\s*=", text)
+    # No model baked in (the demo extra is the 253 MB demo model).
+    assert "[demo]" not in text
 
 
 def test_env_example_lists_every_setting() -> None:
     text = (ROOT / ".env.example").read_text()
     for name in Settings.model_fields:
         assert f"PARKQ_{name.upper()}=" in text, name
-    assert "REDIS_PASSWORD=" in text
+    # No default password: compose's `:?` guard refuses to start without one.
+    assert re.search(r"^REDIS_PASSWORD=$", text, flags=re.M)
+    assert re.search(r"^COMPOSE_PROFILES=gpu$", text, flags=re.M)
