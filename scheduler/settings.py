@@ -392,6 +392,15 @@ class Settings(BaseSettings):
     log_level: str = Field("INFO", description="Python logging level.")
     log_format: Literal["text", "json"] = Field("text", description="'text' or 'json' logs.")
 
+    @field_validator("model", "data_dir", "cache_dir", "keys_file", mode="before")
+    @classmethod
+    def _path(cls, v: object) -> object:
+        """A path as a shell would give it: `~` and `$VAR` expanded, here, so
+        every process reads the same file (an env file passes them unexpanded)."""
+        if isinstance(v, str) and v:
+            return os.path.expanduser(os.path.expandvars(v))
+        return v
+
     @field_validator("api_keys", "admin_keys")
     @classmethod
     def _key_list(cls, v: str | None) -> str | None:

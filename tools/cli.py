@@ -22,6 +22,13 @@ log = logging.getLogger(__name__)
 __all__ = ["main"]
 
 
+def _quiet() -> str | None:
+    """The log level of the commands that print their own report (demo, bench,
+    batch, soak): WARNING, so the stack's INFO lines do not bury it, unless
+    PARKQ_LOG_LEVEL says otherwise (None: the setting's own)."""
+    return None if os.environ.get("PARKQ_LOG_LEVEL") else "WARNING"
+
+
 def _stop_on_signals(handler: Any) -> None:
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
@@ -236,7 +243,7 @@ def demo(model: str | None, prompt: str, max_tokens: int | None, question: str) 
     from tools.demo import DemoFailed, run_demo
     from tools.launcher import Stack, exit_status
 
-    settings = resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
+    settings = resolve_model(load_settings(model=model, port=0, log_level=_quiet()))
     configure_logging(settings.log_level, settings.log_format)
     preflight(settings)
     logs = cache_root(settings.cache_dir) / "demo-logs" / time.strftime("%Y%m%d-%H%M%S")
@@ -321,7 +328,7 @@ def bench(model: str | None, quick: bool, duration: float | None, rate: float | 
 
     if quick and model is None:
         model = str(write_test_model(Path(tempfile.mkdtemp()) / "tiny.gguf"))
-    settings = resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
+    settings = resolve_model(load_settings(model=model, port=0, log_level=_quiet()))
     configure_logging(settings.log_level, settings.log_format)
     settings = with_sequences(settings, 1)
     workload = Workload(
@@ -425,7 +432,7 @@ def batch(paths: tuple[Path, ...], prompt: str | None, task: str | None, out: Pa
     else:
         from tools.launcher import Stack
 
-        settings = resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
+        settings = resolve_model(load_settings(model=model, port=0, log_level=_quiet()))
         configure_logging(settings.log_level, settings.log_format)
         click.echo("parkq: starting (embedded Redis, web server, one worker)...", err=True)
         with Stack(settings) as stack:
@@ -518,7 +525,7 @@ def soak(duration: str, url: str | None, api_key: str | None, model: str | None,
             from jobs.engine.testmodel import write_test_model
 
             model = str(write_test_model(Path(tempfile.mkdtemp()) / "tiny.gguf"))
-        settings = resolve_model(load_settings(model=model, port=0, log_level="WARNING"))
+        settings = resolve_model(load_settings(model=model, port=0, log_level=_quiet()))
         configure_logging(settings.log_level, settings.log_format)
         if settings.max_seqs is None:
             # As many sequences as batch clients: the batch jobs fill the engine,

@@ -60,6 +60,10 @@ METRICS = {
     "parkq_park_latency_seconds": "Time to park a job (KV save, state, requeue).",
     "parkq_resume_latency_seconds": "Time from claiming a parked job to its KV restored.",
     "parkq_ttft_seconds": "Time from a job's arrival to its first token, by priority.",
+    "parkq_queue_wait_seconds": (
+        "Time from a job's arrival in the queue (a batch line's: when it was fed) to its "
+        "first claim by a worker, by priority."
+    ),
     "parkq_requests": (
         "Requests accepted with API keys set (a completion or chat, n > 1 counting each "
         "choice; a batch once), by the key's name (key-<8 hex> for an unnamed key); "
@@ -160,9 +164,14 @@ class RedisCollector(Collector):
         ttft = HistogramMetricFamily(
             "parkq_ttft_seconds", METRICS["parkq_ttft_seconds"], labels=["priority"]
         )
+        wait = HistogramMetricFamily(
+            "parkq_queue_wait_seconds", METRICS["parkq_queue_wait_seconds"], labels=["priority"]
+        )
         for label in ("interactive", "batch", "other"):
             ttft.add_metric([label], *self._buckets(f"ttft_ms:{label}"))
+            wait.add_metric([label], *self._buckets(f"queue_wait_ms:{label}"))
         yield ttft
+        yield wait
         if self.by_key:
             requests = CounterMetricFamily(
                 "parkq_requests", METRICS["parkq_requests"], labels=["key"]

@@ -15,8 +15,10 @@ from scheduler.state import lua_prelude
 
 __all__ = ["BUCKETS_MS", "Telemetry", "as_text", "bucket_of", "lua_script"]
 
-#: Upper bounds (ms) of the latency histograms' buckets; the last is +Inf.
-BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
+#: Upper bounds (ms) of the latency histograms' buckets; the last is +Inf. Up to
+#: an hour: a batch job's first token or wait in the queue runs to minutes.
+BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000,
+              60000, 120000, 300000, 600000, 1800000, 3600000)  # fmt: skip
 
 
 def bucket_of(value_ms: float) -> str:

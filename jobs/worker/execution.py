@@ -301,12 +301,16 @@ class Executions:
         else:
             gen = Generation(job_id, request, e.token_bytes, e.is_eog, e.constraint)
         detached = record.get("detached_at")
+        level = int(record.get("priority", "0"))
+        if record.get("exec") == "1" and record.get("started_at"):  # its first claim
+            waited = float(record["started_at"]) - float(record["created_at"])
+            self._observe(f"queue_wait_ms:{priority_label(level)}", max(0.0, waited) * 1000)
         return Job(
             slot=slot.name,
             claim=claim,
             request=request,
             gen=gen,
-            level=int(record.get("priority", "0")),
+            level=level,
             key=-float(record["score"]),
             created_at=float(record["created_at"]),
             detached_at=float(detached) if detached else None,

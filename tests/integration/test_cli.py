@@ -72,6 +72,27 @@ def test_up_with_embedded_redis_stops_every_child_on_sigterm(tiny_model: Path) -
     assert not [k for k in kids if _alive(k)]
 
 
+@pytest.mark.parametrize("given", ["~/models/tiny.gguf", "$PARKQ_TEST_MODELS/tiny.gguf"])
+def test_a_model_path_with_tilde_or_a_variable_reaches_every_process(
+    tiny_model: Path, tmp_path: Path, given: str
+) -> None:
+    """As an env file gives it (no shell expanded it): the preflight, the web
+    and the worker all read the same file, and a request is answered."""
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    os.symlink(tiny_model, home / "models" / "tiny.gguf")
+    cache = os.environ.get("PARKQ_CACHE_DIR") or str(Path.home() / ".cache" / "parkq")
+    env = {"HOME": str(home), "PARKQ_TEST_MODELS": str(home / "models"), "PARKQ_CACHE_DIR": cache}
+    proc, base = start_parkq(Path(given), None, env=env)
+    try:
+        assert requests.get(base + "/readyz", timeout=10).json()["model"] == "tiny"
+        out = requests.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3},
+                            timeout=60)  # fmt: skip
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3
+    finally:
+        assert stop_parkq(proc) == 0
+
+
 def test_no_preempt_keeps_priority_order_without_interrupting(tiny_model: Path) -> None:
     # A full engine (one sequence): the short job waits for the long one.
     env = {"PARKQ_N_BATCH": "16", "PARKQ_MIN_RUN_SECONDS": "0.05", "PARKQ_MAX_SEQS": "1"}

@@ -304,6 +304,12 @@ def test_metrics_parse_and_move_as_jobs_run_and_park(server: Server) -> None:
     assert moved("parkq_resume_latency_seconds_count{}") == 1
     assert moved("parkq_ttft_seconds_count{priority=interactive}") == 1
     assert moved("parkq_ttft_seconds_count{priority=batch}") == 1
+    # Each job waited in the queue once (its first claim; the parked one's
+    # resume is not a wait from arrival), and the buckets reach an hour.
+    assert moved("parkq_queue_wait_seconds_count{priority=interactive}") == 1
+    assert moved("parkq_queue_wait_seconds_count{priority=batch}") == 1
+    assert "parkq_queue_wait_seconds_bucket{le=3600.0,priority=batch}" in after
+    assert "parkq_ttft_seconds_bucket{le=3600.0,priority=batch}" in after
     assert moved("parkq_inter_token_latency_seconds_count{}") >= 500
     assert after["parkq_workers_alive{}"] == 1
     assert after["parkq_jobs_running{}"] == 0 and after["parkq_jobs_parked{}"] == 0
