@@ -391,6 +391,12 @@ class Settings(BaseSettings):
     # Logging
     log_level: str = Field("INFO", description="Python logging level.")
     log_format: Literal["text", "json"] = Field("text", description="'text' or 'json' logs.")
+    access_log: bool = Field(
+        True,
+        description="`parkq web` logs one line per HTTP request (logger `parkq.access`, at "
+        "INFO): client address, method, path, status, milliseconds to its last byte, "
+        "`stream` for a stream, and its request id.",
+    )
 
     @field_validator("model", "data_dir", "cache_dir", "keys_file", mode="before")
     @classmethod

@@ -13,7 +13,7 @@ from jobs.store.connect import connect
 from jobs.store.rqjobs import RQBridge
 from jobs.store.scheduling import Store
 from scheduler.settings import Settings
-from web import auth, errors, requestid
+from web import access, auth, errors, requestid
 from web.runtime import Runtime, VocabLike
 from web.slots import SPARE_THREADS, Slots
 
@@ -92,6 +92,7 @@ def create_app(
     # here (about a second for a 262k-token vocabulary), not on a first request.
     spellings(vocab.control_texts())
     requestid.init_app(app)
+    access.init_app(app, settings.access_log)
     errors.init_app(app)
     auth.init_app(app, settings.api_key_entries)
     from web.api import bp

@@ -70,6 +70,14 @@ METRICS = {
         "shown to admin keys only."
     ),
     "parkq_inter_token_latency_seconds": "Time between a job's consecutive tokens.",
+    "parkq_http_requests": (
+        "HTTP requests answered by the web processes, by method, route (its pattern, "
+        "'unmatched' for none) and status."
+    ),
+    "parkq_http_request_duration_seconds": (
+        "Time from an HTTP request's arrival to its response's last byte, of the "
+        "responses that are not streams."
+    ),
     "parkq_key_tokens": (
         "Tokens by key name and kind: prompt and completion tokens of finished jobs, and "
         "parked (the tokens a job had generated when it was parked); shown to admin keys only."
@@ -85,6 +93,7 @@ _HISTOGRAMS = {
     "park_ms": "parkq_park_latency_seconds",
     "resume_ms": "parkq_resume_latency_seconds",
     "inter_token_ms": "parkq_inter_token_latency_seconds",
+    "http_ms": "parkq_http_request_duration_seconds",
 }
 
 
@@ -157,6 +166,15 @@ class RedisCollector(Collector):
         for what in ("webhooks_delivered", "webhook_attempts_failed", "webhooks_dropped"):
             name = f"parkq_{what}"
             yield CounterMetricFamily(name, METRICS[name], value=counters.get(what, 0))
+        http = CounterMetricFamily(
+            "parkq_http_requests", METRICS["parkq_http_requests"],
+            labels=["method", "route", "status"],
+        )  # fmt: skip
+        for name, value in sorted(counters.items()):
+            if name.startswith("http|"):
+                method, route, status = name.removeprefix("http|").rsplit("|", 2)[-3:]
+                http.add_metric([method, route, status], value)
+        yield http
         for field, name in _HISTOGRAMS.items():
             h = HistogramMetricFamily(name, METRICS[name])
             h.add_metric([], *self._buckets(field))

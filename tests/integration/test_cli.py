@@ -93,6 +93,41 @@ def test_a_model_path_with_tilde_or_a_variable_reaches_every_process(
         assert stop_parkq(proc) == 0
 
 
+def test_each_request_gets_an_access_line_with_its_id_and_is_counted(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A plain request, a stream and a 404 through a real `parkq up`: one
+    access line each on the web's log (the stream's once it ended), each with
+    its request id, and /metrics counts them by route and status."""
+    errors = tmp_path / "stderr"
+    proc, base = start_parkq(tiny_model, None, env={"PARKQ_LOG_LEVEL": "INFO"}, errors=errors)
+    try:
+        body = {"prompt": "hi", "max_tokens": 3}
+        plain = requests.post(base + "/v1/completions", json=body, timeout=60,
+                              headers={"X-Request-Id": "trace-plain"})  # fmt: skip
+        assert plain.status_code == 200
+        streamed = requests.post(base + "/v1/completions", json={**body, "stream": True},
+                                 timeout=60, headers={"X-Request-Id": "trace-stream"})  # fmt: skip
+        assert b"data: [DONE]" in streamed.content
+        missing = requests.get(base + "/v1/jobs/nope", timeout=10,
+                               headers={"X-Request-Id": "trace-404"})  # fmt: skip
+        assert missing.status_code == 404
+        page = requests.get(base + "/metrics", timeout=10).text
+        assert 'route="/v1/completions",status="200"} 2.0' in page
+        assert 'route="/v1/jobs/<job_id>",status="404"} 1.0' in page
+        assert "parkq_http_request_duration_seconds_count" in page
+    finally:
+        assert stop_parkq(proc) == 0
+    lines = [x for x in errors.read_text().splitlines() if "parkq.access" in x]
+    plain_line = [x for x in lines if "[trace-plain]" in x]
+    stream_line = [x for x in lines if "[trace-stream]" in x]
+    missing_line = [x for x in lines if "[trace-404]" in x]
+    assert len(plain_line) == len(stream_line) == len(missing_line) == 1, lines
+    assert "POST /v1/completions 200" in plain_line[0] and " stream " not in plain_line[0]
+    assert "POST /v1/completions 200" in stream_line[0] and " stream [" in stream_line[0]
+    assert "GET /v1/jobs/nope 404" in missing_line[0]
+
+
 def test_no_preempt_keeps_priority_order_without_interrupting(tiny_model: Path) -> None:
     # A full engine (one sequence): the short job waits for the long one.
     env = {"PARKQ_N_BATCH": "16", "PARKQ_MIN_RUN_SECONDS": "0.05", "PARKQ_MAX_SEQS": "1"}

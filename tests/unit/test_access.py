@@ -1,0 +1,39 @@
+"""The access log and the HTTP request metrics (web/access.py), on fakeredis
+with the real app. Against `parkq up`: tests/integration/test_cli.py."""
+
+from __future__ import annotations
+
+import logging
+
+import fakeredis
+import pytest
+
+from scheduler.settings import Settings
+from tests.fakes import FakeVocab
+from web.app import create_app
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_one_line_a_request_unless_turned_off_and_counted_either_way(
+    settings: Settings, caplog: pytest.LogCaptureFixture, on: bool
+) -> None:
+    app = create_app(settings.model_copy(update={"access_log": on}), vocab=FakeVocab(),
+                     client=fakeredis.FakeRedis())  # fmt: skip
+    client = app.test_client()
+    with caplog.at_level(logging.INFO, logger="parkq.access"):
+        for path in ("/livez", "/v1/jobs/nope", "/no-such-route"):
+            client.get(path, headers={"X-Request-Id": f"id{path.replace('/', '-')}"}).close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "parkq.access"]
+    if on:
+        assert [line.split()[1:4] for line in lines] == [
+            ["GET", "/livez", "200"], ["GET", "/v1/jobs/nope", "404"],
+            ["GET", "/no-such-route", "404"],
+        ]  # fmt: skip
+        assert lines[1].endswith("[id-v1-jobs-nope]")
+    else:
+        assert lines == []
+    page = client.get("/metrics").text
+    assert 'parkq_http_requests_total{method="GET",route="/livez",status="200"} 1.0' in page
+    assert 'route="/v1/jobs/<job_id>",status="404"} 1.0' in page
+    assert 'route="unmatched",status="404"} 1.0' in page
+    assert "parkq_http_request_duration_seconds_count 3.0" in page
