@@ -4,49 +4,58 @@ Start-time fair queueing (Goyal, Vin and Cheng, 1996) on the queue's static
 keys (scheduler/policy.py). Each level has a virtual time ``V``, in tokens per
 unit of weight: the virtual start of the last job claimed there. Each tenant
 has a clock per level ``F``: the virtual finish of its last job there. A job
-of a tenant whose last job there still waits starts at ``max(V, F)``; of a
-tenant with nothing waiting there, at ``V``. It moves ``F`` on by ``tokens /
-weight``, ``tokens`` what it is expected to take. The queue's keys are times,
-fixed when a job is queued, so a job's key is now plus the seconds ``V``
-takes to reach its start at the speed it moved lately (measured between
-claims while jobs waited, over about SPEED_CLAIMS claims; what matters is only how
-fast virtual time moves, so a measure off by a factor cancels out): at most
-``most_seconds`` (half a level's worth) after now, never before now, and
-never before its tenant's last job still waiting there. The queue never
-needs rescoring, the claim moves ``V`` and measures its speed, and the
-enqueue reads one hash and one job state more (lib.lua's fair_start and
-fair_claimed). Keys placed at one speed and read at another can misorder
-jobs queued at different times, so a claim compares the next ``LOOK`` jobs
-that fit at the first one's level by their virtual starts and takes the
-earliest (it stops at a job of another level, or one without a turn: those
-keep their place), which is start-time fair queueing exactly among those in
-sight (claim.lua).
+starts at ``max(V, F)`` (a tenant whose last job was cancelled takes that
+job's start instead) and moves ``F`` on by ``tokens / weight``, ``tokens``
+what it is expected to take. A tenant that ran alone moved ``V`` with it, so
+it owes one turn, not all it ran.
+
+The queue's keys are times, fixed when a job is queued: a job's key is now
+plus the seconds ``V`` takes to reach its start at the speed it moved lately
+(measured between claims while jobs waited, averaged over about
+SPEED_CLAIMS claims from a first guess of DEFAULT_SPEED), at most
+``most_seconds`` (half a level's worth) after now, never before now, and never
+before its tenant's last job still waiting there. Keys placed at one speed and
+read at another can misorder jobs queued at different times, so a claim then
+compares the jobs after the first that fits at its level, up to LOOK entries
+and ``reach_seconds`` (a quarter level) of key behind it, by their virtual
+starts and takes the earliest, in the first one's place (its key, so that
+nothing parks it for that one). It stops at a job of another level, or
+without a turn (those keep their place), and takes the first itself once its
+key time is ``reach_seconds`` past: no job waits more than three quarters of a
+level's worth past its arrival for turns. The queue never needs rescoring; the
+enqueue reads one hash and one job state more; the claim reads one hash per
+entry compared (lib.lua's fair_start and fair_claimed, claim.lua).
 
 What tests/unit/test_fairness.py checks against the Lua:
 - a tenant's own jobs keep their order at a level while the earlier ones wait
   and none is parked back or passed over by a claim (a job is never put before
   its tenant's last one still waiting there, or cancelled);
-- a tenant with nothing waiting starts at ``V``, not behind another tenant's
-  flood;
+- a tenant with nothing waiting starts at most one turn after ``V``, not
+  behind another tenant's flood;
 - tenants that keep jobs waiting are claimed in proportion to their weights,
   in expected tokens (a job's prompt and the larger of its tenant's usual
   output and its tenant's usual share of max_tokens times its own, at most its
   max_tokens, all of it before any of the tenant's jobs finished; each
   finished job moves both averages, see ``OUTPUT_WEIGHT``);
-- a tenant that used an idle engine is not held back by what it ran;
+- a tenant that used an idle engine is held back by one turn at most;
 - no key is before its arrival, nor more than ``most_seconds`` after it
   (plus a millisecond per job of its tenant waiting ahead of it), so a job of
   a higher level that arrives less than half a level after another, of a
-  lower level, runs first.
+  lower level, runs first;
+- tenants sending one request at a time do not starve another's backlog, a
+  tenant that cancelled a flood waits three quarters of a level at most, a job
+  taken in another's place is not parked for it, and a burst of claims an
+  instant apart does not set the speed.
 
 Known to fall short (helpers' reviews, reproduced on fakeredis; open in
 issue 36): keys are fixed when a job is queued, so jobs queued at different
-times are compared through the measured speed, as steady as the work is; a
-tenant's job parked back, or passed over by a claim, can be passed by its
-tenant's newer job; with few jobs waiting per tenant the weights are met
-only roughly, and with work waiting past half a level the turns flatten
-toward arrival order. The one-minute benchmark (docs/benchmarks.md) measures
-the weights' share.
+times and farther apart than the claim's reach are compared through the
+measured speed, as steady as the work is; a tenant's job parked back, or
+passed over by a claim, can be passed by its tenant's newer job; cancelled
+jobs other than a tenant's last stay charged to it (three quarters of a level
+at most); with work waiting past half a level the turns flatten toward
+arrival order. The one-minute benchmark (docs/benchmarks.md) measures the
+weights' share.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ __all__ = [
     "OUTPUT_WEIGHT",
     "SPEED_CLAIMS",
     "most_seconds",
+    "reach_seconds",
 ]
 
 #: Output tokens expected of a job of a tenant none of whose jobs finished yet.
@@ -72,10 +82,18 @@ MIN_SPEED = 5.0
 OUTPUT_WEIGHT = 0.2
 #: About how many claims the measured speed averages over (lib.lua's fair_claimed).
 SPEED_CLAIMS = 10
-#: How many waiting jobs that fit a claim compares by their fair turns (claim.lua).
+#: How many queue entries after the first that fits a claim looks at for an
+#: earlier fair turn (claim.lua).
 LOOK = 16
 
 
 def most_seconds(level_seconds: float) -> float:
-    """The most seconds a fair turn puts a job back: half a level's worth."""
+    """The most seconds a fair turn puts a job's key back: half a level's worth."""
     return level_seconds / 2
+
+
+def reach_seconds(level_seconds: float) -> float:
+    """How far behind the first waiting job that fits a claim reaches for an
+    earlier turn, in seconds of key: a quarter of a level's worth. A job is
+    claimed no later than one of its level keyed this much after it."""
+    return level_seconds / 4

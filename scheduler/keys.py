@@ -144,7 +144,14 @@ class Keys:
         max_tokens (``s|<tenant>``, ``f|<tenant>``), and the speed each
         level's virtual time moves at (``g|<level>``, ``g_at|<level>``).
         Bound: a clock is dropped by the janitor once it no longer counts; the
-        others are one per level or tenant."""
+        others are one per level or tenant. (An earlier form of the turns,
+        never released, kept its fields in ``<base>:fair``: the janitor
+        deletes that key, :attr:`fair_earlier`.)"""
+        return f"{self.base}:turns"
+
+    @property
+    def fair_earlier(self) -> str:
+        """Where a development build before 0.2.0 kept fair turns in other units."""
         return f"{self.base}:fair"
 
     @property

@@ -77,6 +77,10 @@ class TenantKey:
     policy: KeyPolicy = field(default=NO_LIMITS)
 
 
+#: A tenant's weight lies between these (its turns are its expected tokens over
+#: its weight: a weight near 0 would make them endless).
+MIN_WEIGHT, MAX_WEIGHT = 0.001, 1000.0
+
 _POLICY_FIELDS = {"max_priority", "tokens_per_minute", "upload_bytes", "weight", "parks_others",
                   "max_running", "max_queued"}  # fmt: skip
 _TENANT_FIELDS = _POLICY_FIELDS | {"keys", "admin"}
@@ -99,8 +103,12 @@ def _policy(table: dict[str, Any], where: str, base: KeyPolicy) -> KeyPolicy:
             values[name] = value if name == "upload_bytes" else value or None
     if "weight" in table:
         value = table["weight"]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise ValueError(f"{where}: weight must be a number above 0")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not (MIN_WEIGHT <= value <= MAX_WEIGHT)
+        ):
+            raise ValueError(f"{where}: weight must be a number from {MIN_WEIGHT} to {MAX_WEIGHT}")
         values["weight"] = float(value)
     if "parks_others" in table:
         value = table["parks_others"]

@@ -53,17 +53,12 @@ return 0
 #: Drops the tenants' fair clocks that no longer count: their last job was
 #: claimed and ended or runs (not waiting, nor cancelled: a cancelled one's key
 #: still keeps the tenant's earlier waiting jobs first) and its key time has
-#: passed (lib.lua's fair_start); and fields an earlier release kept there.
-#: KEYS[1]: the fair hash; ARGV: now, the job key prefix.
+#: passed (lib.lua's fair_start). KEYS[1]: the fair hash; ARGV: now, the job key prefix.
 _FAIR_SWEEP = """
 local now = tonumber(ARGV[1])
 local all = redis.call('HGETALL', KEYS[1])
-local known = {['v|'] = true, ['g|'] = true, ['s|'] = true, ['f|'] = true, ['g_'] = true}
 for i = 1, #all, 2 do
-  local kind = string.sub(all[i], 1, 2)
-  if kind ~= 'c|' and not known[kind] then
-    redis.call('HDEL', KEYS[1], all[i])  -- (an earlier release's field: 'rate', 'rate_at')
-  elseif kind == 'c|' then
+  if string.sub(all[i], 1, 2) == 'c|' then
     local key, last = string.match(all[i + 1], '^%S+ (%S+) (.*)$')
     local state = last and redis.call('HGET', ARGV[2] .. last, 'state')
     if state ~= 'queued' and state ~= 'parked' and state ~= 'cancelled'
@@ -214,6 +209,7 @@ class Janitor:
         """Drop the fair clocks that no longer matter (scheduler/fairness.py)."""
         k = self.store.keys
         self.store.r.eval(_FAIR_SWEEP, 1, k.fair, repr(time.time()), k.job_prefix)
+        self.store.r.unlink(k.fair_earlier)  # (a development build's, in other units)
 
     def _batches(self) -> int:
         """Bring every open batch up to date as a read would; how many were open."""

@@ -142,6 +142,9 @@ class Claim:
     #: The device that computed the job so far, when it is not this worker's
     #: (the continuation is then not bit-identical to an uninterrupted run).
     moved_from: str | None = None
+    #: The key it runs at: its own, or that of the first waiting job that fit
+    #: where a fair turn took it in that one's place (claim.lua).
+    key: float | None = None
 
 
 @dataclass(frozen=True)
@@ -744,13 +747,17 @@ class Store:
                 fairness.SPEED_CLAIMS,
                 repr(fairness.MIN_SPEED),
                 fairness.LOOK,
+                repr(self.policy.aging_rate * fairness.reach_seconds(self.policy.level_seconds)),
+                repr(fairness.DEFAULT_SPEED),
+                repr(fairness.reach_seconds(self.policy.level_seconds)),
             ],
         )
         if not got:
             return None
         job_id, exec_token = as_text(got[0]), as_text(got[1])
         moved = as_text(got[2]) if len(got) > 2 else ""
-        return Claim(job_id, exec_token, moved or None)
+        key = float(as_text(got[3])) if len(got) > 3 else None
+        return Claim(job_id, exec_token, moved or None, key)
 
     def step(
         self,

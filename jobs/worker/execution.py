@@ -311,7 +311,7 @@ class Executions:
             request=request,
             gen=gen,
             level=level,
-            key=-float(record["score"]),
+            key=claim.key if claim.key is not None else -float(record["score"]),
             created_at=float(record["created_at"]),
             detached_at=float(detached) if detached else None,
             resumed=saved is not None or int(record.get("seq", "0")) > 0,

@@ -7,8 +7,10 @@
 --       sequences share the process's checkpoints), the worker's device, the
 --       most queue entries to look at in all, a nonce for the execution token
 --       (see lib.lua's token), how many claims the fair speed averages over
---       and its floor (lib.lua's fair_claimed), how many jobs that fit a
---       claim compares by their fair turns
+--       and its floor and its first guess (lib.lua's fair_claimed), how many
+--       queue entries a claim compares by their fair turns and how far behind
+--       the first that fits (in score), the default speed, the seconds past
+--       its key time after which the first that fits is taken itself
 -- The queue is read in pages until a job fits: jobs this worker may not take
 -- (another model's, parked jobs left to their holder) never hide the ones
 -- behind them.
@@ -28,7 +30,8 @@
 -- fair_claimed).
 -- A job of a tenant with max_running (its record's `max_running`) is passed
 -- over while that many of the tenant's jobs run (its live set, Keys.live_of).
--- Returns {id, execution token, the device it moved from or ''} or false when
+-- Returns {id, execution token, the device it moved from or '', the key it runs
+-- at} or false when
 -- nothing fits.
 -- A job Redis still records on this sequence (its end was lost, as in a
 -- failover to a replica that had not received it; a sequence claims only when
@@ -81,18 +84,34 @@ local function fits(id, job, f)
 end
 
 -- The job to take: the first that fits, or, where it took a fair turn, the
--- one of the earliest virtual start (lib.lua's fair_start) among the next
--- `look` that fit and took fair turns at its level, up to the first that fits
--- of another level or without a turn (the keys place a job by the speed its
--- level's virtual time was measured at when it was queued; among those in
--- sight the virtual starts themselves decide, whatever the speed since).
-local best, best_v, best_level
-local seen = 0
-while first < limit and seen < look do
-  local top = redis.call('ZRANGE', KEYS[1], first, first + page - 1)
+-- one of the earliest virtual start (lib.lua's fair_start) among those after
+-- it that fit and took fair turns at its level, looking at `look` entries at
+-- most, none keyed more than `window` (in score) after it, and none past the
+-- first that fits of another level or without a turn (those keep their
+-- place); the first that fits is taken itself once its key time is `reach`
+-- seconds past (so that no job waits longer). The keys place a job by the
+-- speed its level's virtual time was measured at when it was queued; among
+-- those in sight the virtual starts decide. The job taken runs in the first
+-- one's place (its key: a waiting job that beats it would have beaten that
+-- one; no park undoes the choice).
+local window = tonumber(ARGV[16])
+local reach = tonumber(ARGV[18])
+local best, best_v, best_level, head_score
+local after = 0
+local done = false
+while first < limit and not done do
+  local top = redis.call('ZRANGE', KEYS[1], first, first + page - 1, 'WITHSCORES')
   if #top == 0 then break end
   local removed = 0
-  for _, id in ipairs(top) do
+  for i = 1, #top, 2 do
+    local id, score = top[i], tonumber(top[i + 1])
+    if best then
+      after = after + 1
+      if after > look or score > head_score + window then
+        done = true
+        break
+      end
+    end
     local job = ARGV[1] .. id
     local f = redis.call('HMGET', job, 'state', 'model_digest', 'max_running', 'owner',
                          'fair_v', 'priority')
@@ -102,20 +121,22 @@ while first < limit and seen < look do
     elseif fits(id, job, f) then
       local v, level = tonumber(f[5]), f[6] or '0'
       if not best then
-        best, best_v, best_level = id, v, level
-        if not v then break end
+        best, best_v, best_level, head_score = id, v, level, score
+        local due = tonumber(redis.call('HGET', job, 'fair_start') or '')
+        if not v or (due and now - due > reach) then
+          done = true  -- (no turn, or its turn came `reach` seconds ago: its own place)
+          break
+        end
       elseif not v or level ~= best_level then
-        seen = look
+        done = true
         break
       elseif v < best_v then
         best, best_v = id, v
       end
-      seen = seen + 1
-      if seen >= look then break end
     end
   end
-  if best and (not best_v or seen >= look) then break end
-  first = first + #top - removed
+  if done then break end
+  first = first + #top / 2 - removed
 end
 if not best then return false end
 
@@ -126,13 +147,13 @@ redis.call('HINCRBY', job, 'exec', 1)
 redis.call('HSET', job, 'nonce', ARGV[12])
 local exec = token(job)
 if live_base then
-  fair_claimed(live_base .. ':fair', job, now, redis.call('ZCARD', KEYS[1]) > 0,
-               tonumber(ARGV[13]), tonumber(ARGV[14]))
+  fair_claimed(live_base .. ':turns', job, now, redis.call('ZCARD', KEYS[1]) > 0,
+               tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[17]))
 end
 move(job, S.running)
 redis.call('HSET', job, 'worker', ARGV[2], 'resumed_at', ARGV[3])
 redis.call('HSETNX', job, 'started_at', ARGV[3])
-local key = -tonumber(redis.call('HGET', job, 'score'))
+local key = -math.min(tonumber(redis.call('HGET', job, 'score')), head_score)
 redis.call('HSET', KEYS[2], 'job', id, 'exec', exec, 'since', ARGV[3], 'key', key,
            'pinned', ARGV[7])
 redis.call('HDEL', KEYS[2], 'preempt')
@@ -146,4 +167,4 @@ elseif was ~= ARGV[10] then
   redis.call('HSET', job, 'device', ARGV[10])
   redis.call('HINCRBY', job, 'device_moves', 1)
 end
-return {id, exec, moved}
+return {id, exec, moved, string.format('%.17g', key)}

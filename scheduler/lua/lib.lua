@@ -141,11 +141,12 @@ end
 -- of the fair hash, in tokens per unit of weight: the virtual start of the
 -- last job claimed there, set by claim.lua), each tenant a clock per level
 -- (`c|<level>|<tenant>`: '<virtual finish of its last job> <that job's key
--- time> <its id>'). A job starts at the level's virtual time, or at its
--- tenant's clock while the tenant's last job there still waits (the tenant is
--- behind: what it was charged has not run), and moves the clock on by what it
--- is expected to take (its prompt and an output as fair_output's averages
--- expect, at most its max_tokens) over the tenant's weight. It waits as if it
+-- time> <its id>'). A job starts at the later of the level's virtual time
+-- and its tenant's clock (a tenant whose jobs ran while others waited is
+-- behind by what they took; one whose last job there was cancelled takes that
+-- job's start), and moves the clock on by what it is expected to take (its
+-- prompt and an output as fair_output's averages expect, at most its
+-- max_tokens) over the tenant's weight. It waits as if it
 -- had arrived as long after now as the level's virtual time takes to reach
 -- its start, at the speed claims moved it lately (field `g|<level>`, measured
 -- by fair_claimed; `default_speed` before), at most `cap` seconds (half a
@@ -170,9 +171,9 @@ local function fair_start(fair, job, now, weight, default_out, default_speed, ca
   if got[1] then
     local f, key, last = string.match(got[1], '^(%S+) (%S+) (.*)$')
     if f and last then
+      start = math.max(v, tonumber(f) or v)
       local was = redis.call('HMGET', string.match(job, '^(.-:job:)') .. last, 'state', 'fair_v')
       if was[1] == S.queued or was[1] == S.parked then
-        start = math.max(v, tonumber(f) or v)
         floor = tonumber(key)
       elseif was[1] == S.cancelled then
         -- (its earlier jobs may still wait: not before them; it takes the
@@ -193,7 +194,7 @@ local function fair_start(fair, job, now, weight, default_out, default_speed, ca
     out = math.min(math.max(out, (tonumber(got[4]) or 1) * most), most)
   end
   local prompt = tonumber(redis.call('HGET', job, 'prompt_n') or '0') or 0
-  local tokens = (prompt + math.max(1, out)) / weight
+  local tokens = math.min((prompt + math.max(1, out)) / weight, 1e12)  -- (finite)
   local at = now + math.min(math.max(start - v, 0) / speed, cap)
   if floor and at <= floor then at = floor + 0.001 end  -- (its own order kept)
   redis.call('HSET', fair, field, string.format('%.17g', start + tokens) .. ' '
@@ -206,11 +207,12 @@ end
 -- A claimed job moves its level's virtual time to its own virtual start
 -- (fair_start): a turn taken there starts no earlier. The speed virtual time
 -- moves at (field `g|<level>`) is how far it moved over how long, each an
--- average over about the last `claims` claims at the level (field
--- `g_at|<level>`: '<the last claim's time> <moved> <seconds>'), counted
--- between two claims that both left other jobs waiting (`busy`): no idle
--- spell counts. A parked job claimed again does not move it.
-local function fair_claimed(fair, job, now, busy, claims, min_speed)
+-- average over about the last `claims` claims at the level that followed a
+-- claim there which left other jobs waiting (`busy`: no idle spell counts),
+-- starting from `guess` per second (field `g_at|<level>`: '<the last claim's
+-- time> <moved> <seconds> <1 if it was busy>'). A parked job claimed again
+-- does not move it.
+local function fair_claimed(fair, job, now, busy, claims, min_speed, guess)
   local got = redis.call('HMGET', job, 'fair_v', 'priority')
   local fv = tonumber(got[1])
   if not fv then return end
@@ -222,25 +224,22 @@ local function fair_claimed(fair, job, now, busy, claims, min_speed)
     redis.call('HSET', fair, 'v|' .. level, string.format('%.17g', fv))
     if cur then moved = fv - cur end
   end
-  if not busy then
-    redis.call('HDEL', fair, 'g_at|' .. level)
-    return
-  end
-  local at, dv, dt = string.match(r[2] or '', '^(%S+) (%S+) (%S+)$')
+  local at, dv, dt, was_busy = string.match(r[2] or '', '^(%S+) (%S+) (%S+) (%S+)$')
   at, dv, dt = tonumber(at), tonumber(dv), tonumber(dt)
-  if at then
+  if not (dv and dt and dt > 0) then
+    dv, dt = guess, 1  -- (a first guess that the first claims only move a little)
+  end
+  if at and was_busy == '1' then
     local a = 1 / claims
-    if dv and dt and dt > 0 then
-      dv, dt = dv + a * (moved - dv), dt + a * (math.max(0, now - at) - dt)
-    else
-      dv, dt = moved, math.max(0, now - at)
-    end
-    if dt > 0 and dv > 0 then
-      redis.call('HSET', fair, 'g|' .. level, string.format('%.17g', math.max(dv / dt, min_speed)))
+    dv, dt = dv + a * (moved - dv), dt + a * (math.max(0, now - at) - dt)
+    if dt > 0 then
+      redis.call('HSET', fair, 'g|' .. level,
+                 string.format('%.17g', math.max(dv / dt, min_speed)))
     end
   end
   redis.call('HSET', fair, 'g_at|' .. level, string.format('%.17g', now) .. ' '
-             .. string.format('%.17g', dv or 0) .. ' ' .. string.format('%.17g', dt or 0))
+             .. string.format('%.17g', dv) .. ' ' .. string.format('%.17g', dt) .. ' '
+             .. (busy and '1' or '0'))
 end
 
 -- The score of a job of the level whose score now is `score_now` (a string)

@@ -265,7 +265,7 @@ def test_a_batchs_results_outlive_the_result_ttl_and_its_keys_are_bounded(
             base = "{" + prefix + "}:"
             by_count = {"queue", "wake", "workers", "running", "counters", "preemptions",
                         "files", "batches", "ended", "janitor", "batches:waiting",
-                        "webhooks", "fair"}  # fmt: skip
+                        "webhooks", "turns"}  # fmt: skip
             kept = {
                 f"file:{uploaded['id']}",  # an uploaded file lives until deleted
                 f"file:{uploaded['id']}:content",

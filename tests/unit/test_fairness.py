@@ -73,11 +73,13 @@ def test_a_tenant_whose_flood_has_run_starts_afresh(store: Store) -> None:
     for i in range(50):
         _put(store, f"a{i}", "alpha", T0)
     assert len(_claims(store, 50, T0 + 1)) == 50  # all of it runs (or ran)
-    # Its clock says 110 s of turns, but nothing of it waits: its next request
-    # waits from its arrival, before beta's later one.
+    # The level's virtual time moved with its claims: alpha owes one turn (the
+    # last job it started), not the 50. Beta's first request goes first, then
+    # alpha's, then beta's second.
     _put(store, "a-next", "alpha", T0 + 2)
     _put(store, "b0", "beta", T0 + 3)
-    assert _claims(store, 2, T0 + 4, by="v") == ["a-next", "b0"]
+    _put(store, "b1", "beta", T0 + 3)
+    assert _claims(store, 3, T0 + 4, by="v") == ["b0", "a-next", "b1"]
 
 
 def test_a_cancelled_flood_puts_the_next_job_back_by_half_a_level_at_most(store: Store) -> None:
@@ -260,13 +262,14 @@ def test_claims_measure_the_speed_and_the_janitor_drops_clocks_that_no_longer_co
     for i in range(60):
         claim = store.claim(f"w{i}", now - 40 + 0.5 * i)
         assert claim is not None
+    assert float(fake_redis.hget(k.fair, "g|0") or 0) == pytest.approx(220.0, rel=0.05)
+    # The next claim, half a second later, empties the queue; the one after
+    # it, long after, follows a claim that left nothing waiting (the engine
+    # may have been idle): it does not count.
+    store.cancel("a61", now)
+    assert store.claim("w-last", now - 10) is not None
     speed = float(fake_redis.hget(k.fair, "g|0") or 0)
     assert speed == pytest.approx(220.0, rel=0.05)
-    # A claim with nothing left waiting does not count, nor does the next one
-    # (the engine may have been idle between them).
-    store.cancel("a61", now)
-    assert store.claim("w-last", now) is not None
-    assert float(fake_redis.hget(k.fair, "g|0") or 0) == speed
     _put(store, "a-later", "alpha", now + 100)
     _put(store, "a-later2", "alpha", now + 100)
     assert store.claim("w-later", now + 100) is not None
@@ -274,11 +277,11 @@ def test_claims_measure_the_speed_and_the_janitor_drops_clocks_that_no_longer_co
     _put(store, "b0", "beta", now)
     # gamma's clock names a job that runs (a0), its key long past.
     fake_redis.hset(k.fair, "c|0|gamma", f"{now - 5} {now - 10} a0")
-    fake_redis.hset(k.fair, mapping={"rate": "50", "rate_at": str(now)})  # an earlier release's
+    fake_redis.hset(k.fair_earlier, mapping={"rate": "50", "v|0": str(now)})  # a dev build's
     Janitor(app)._fair()
     fields = {f.decode() for f in fake_redis.hkeys(k.fair)}
     # gamma's no longer counts; beta's job and alpha's last one wait.
-    assert "c|0|gamma" not in fields and "rate" not in fields and "rate_at" not in fields
+    assert "c|0|gamma" not in fields and not fake_redis.exists(k.fair_earlier)
     assert {"v|0", "g|0", "g_at|0"} <= fields
     assert "c|0|beta" in fields and "c|0|alpha" in fields
 
@@ -412,3 +415,85 @@ def test_a_tenant_that_cancels_its_last_waiting_job_keeps_its_order(store: Store
     _put(store, "a10", "alpha", T0 + 2)
     order = _claims(store, 10, T0 + 3)
     assert order == [f"a{i}" for i in range(9)] + ["a10"]
+
+
+_USAGE = json.dumps({"prompt_tokens": 10, "completion_tokens": 100, "total_tokens": 110})
+
+
+def _serve(store: Store, now: float, seconds: float) -> str:
+    """One engine sequence claims the best job and runs it for ``seconds``."""
+    claim = store.claim("w", now)
+    assert claim is not None
+    store.finish(claim.job_id, claim.exec_token, "w", JobState.FINISHED, {"usage": _USAGE}, 0,
+                 [], now + seconds)  # fmt: skip
+    return claim.job_id
+
+
+def test_tenants_that_send_one_request_at_a_time_do_not_starve_a_backlog(store: Store) -> None:
+    """beta and gamma each send their next request as the last one ends; alpha
+    has 5 waiting. Each takes its turn: alpha's 5 run within the first 15."""
+    for i in range(5):
+        _put(store, f"a{i}", "alpha", T0)
+    sent = {"b": 0, "c": 0}
+    _put(store, "b0", "b", T0 + 0.1)
+    _put(store, "c0", "c", T0 + 0.1)
+    now, order = T0 + 1, []
+    for _ in range(15):
+        job_id = _serve(store, now, 1.0)
+        order.append(job_id)
+        now += 1.0
+        if job_id[0] in sent:
+            sent[job_id[0]] += 1
+            _put(store, f"{job_id[0]}{sent[job_id[0]]}", job_id[0], now)
+    assert [j for j in order if j.startswith("a")] == [f"a{i}" for i in range(5)]
+
+
+def test_a_tenant_that_cancelled_a_flood_waits_a_level_at_most(store: Store) -> None:
+    """alpha queues 200 and cancels them: its next job is charged for them, so
+    beta's backlog goes first, but no longer than its key (half a level at
+    most) and the claim's reach (a quarter) allow."""
+    for i in range(200):
+        _put(store, f"a{i}", "alpha", T0)
+    for i in range(200):
+        store.cancel(f"a{i}", T0 + 1)
+    _put(store, "a-next", "alpha", T0 + 2)
+    for i in range(400):
+        _put(store, f"b{i}", "beta", T0 + 3)
+    level = store.policy.level_seconds
+    bound = T0 + 2 + fairness.most_seconds(level) + fairness.reach_seconds(level) + 1
+    now = T0 + 3
+    while _serve(store, now, 1.0) != "a-next":
+        now += 1.0
+        assert now <= bound
+
+
+def test_a_job_taken_in_anothers_place_is_not_parked_for_it(store: Store) -> None:
+    """a1's key is before b0's, but b0's turn is earlier: the claim takes b0
+    in a1's place, and a1 waiting does not park it (no claim-park-claim loop)."""
+    store.workers.heartbeat("w", now=T0, ttl=10_000)
+    for i in range(3):
+        _put(store, f"a{i}", "alpha", T0)
+    first = store.claim("w", T0)
+    assert first is not None and first.job_id == "a0"
+    _put(store, "b0", "beta", T0 + 4)
+    store.finish("a0", first.exec_token, "w", JobState.FINISHED, {"usage": _USAGE}, 0, [], T0 + 5)
+    claim = store.claim("w", T0 + 5)
+    assert claim is not None and claim.job_id == "b0"
+    assert store.r.zrange(store.keys.queue, 0, 0) == [b"a1"]  # a1 heads the queue
+    assert store.maybe_preempt(T0 + 6) is None
+
+
+def test_a_burst_of_claims_an_instant_apart_does_not_set_the_speed(store: Store) -> None:
+    """Two sequences claim 1 ms apart while a third job waits: the speed moves
+    from its first guess a little, not to 100,000 tokens a second, so a
+    later flood's jobs are still spread over the turns' reach."""
+    for i in range(3):
+        _put(store, f"a{i}", "alpha", T0)
+    store.claim("w1", T0 + 1)
+    store.claim("w2", T0 + 1.001)
+    speed = float(store.r.hget(store.keys.fair, "g|0") or fairness.DEFAULT_SPEED)
+    assert speed < 3 * fairness.DEFAULT_SPEED
+    for i in range(100):
+        _put(store, f"f{i}", "flood", T0 + 60)
+    last = float(store.r.hget(store.keys.job("f99"), "fair_start") or 0)
+    assert last - (T0 + 60) >= fairness.most_seconds(store.policy.level_seconds) - 1
