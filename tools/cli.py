@@ -72,7 +72,9 @@ _preempt_opt = click.option(
 @_model_opt
 @_host_opt
 @_port_opt
-@click.option("--workers", type=int, default=1, show_default=True, help="Worker processes.")
+@click.option("--workers", default="1", show_default=True,
+              help="Worker processes, or 'per-gpu': one per NVIDIA GPU (nvidia-smi -L), "
+                   "each seeing only its own (CUDA_VISIBLE_DEVICES) and sized on it.")  # fmt: skip
 @_redis_opt
 @click.option("--chat-format", help="Named chat format (default: the model's template).")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
@@ -81,7 +83,7 @@ _preempt_opt = click.option(
 @click.option("--ephemeral", is_flag=True,
               help="Keep nothing: the embedded Redis lives in a temporary directory.")  # fmt: skip
 @_preempt_opt
-def up(model: str | None, host: str | None, port: int | None, workers: int,
+def up(model: str | None, host: str | None, port: int | None, workers: str,
        redis_url: str | None, chat_format: str | None, data_dir: Path | None,
        ephemeral: bool, no_preempt: bool) -> None:  # fmt: skip
     """Start Redis (embedded unless --redis-url), the web server and the workers.
@@ -107,9 +109,15 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
     if ephemeral and data_dir:
         raise click.UsageError("--ephemeral keeps nothing: leave out --data-dir")
     warn_if_open(settings)
-    settings = with_sequences(settings, workers)
+    gpus = _worker_gpus(workers)
+    count = len(gpus) if gpus is not None else int(workers)
+    if gpus is None:
+        settings = with_sequences(settings, count)
+    else:
+        click.echo(f"parkq: one worker per GPU ({', '.join(gpus)}), each sizing its sequences "
+                   "on its own", err=True)  # fmt: skip
     keep = None if ephemeral or settings.redis_url else data_root(settings.data_dir)
-    stack = Stack(settings, workers=workers, data_dir=keep)
+    stack = Stack(settings, workers=count, data_dir=keep, gpus=gpus)
 
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -124,7 +132,7 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
         seqs = f" of {s.max_seqs} sequences" if s.max_seqs and s.max_seqs > 1 else ""
         click.echo(
             f"parkq is up at {stack.base_url}  (model {Path(s.model or '').name}, "
-            f"{workers} worker{'s' if workers != 1 else ''}{seqs}, redis {redis_shown})"
+            f"{count} worker{'s' if count != 1 else ''}{seqs}, redis {redis_shown})"
         )
         code = stack.wait()
     except KeyboardInterrupt:
@@ -137,6 +145,37 @@ def up(model: str | None, host: str | None, port: int | None, workers: int,
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stack.stop()
     sys.exit(code)
+
+
+def _worker_gpus(workers: str) -> list[str] | None:
+    """``--workers``: None for a number of workers; for ``per-gpu``, the GPUs to
+    pin one worker each to (CUDA_VISIBLE_DEVICES's list where it is set, else
+    every GPU ``nvidia-smi -L`` lists)."""
+    if workers != "per-gpu":
+        if not workers.isdecimal() or int(workers) < 1:
+            raise click.BadParameter("a number of workers from 1, or 'per-gpu'",
+                                     param_hint="--workers")  # fmt: skip
+        return None
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        ids = [x.strip() for x in given.split(",") if x.strip()]
+    else:
+        import shutil
+        import subprocess
+
+        smi = shutil.which("nvidia-smi")
+        listed = ""
+        if smi:
+            run = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30,
+                                 check=False)  # fmt: skip
+            listed = run.stdout if run.returncode == 0 else ""
+        ids = [str(i) for i, line in enumerate(listed.splitlines()) if line.startswith("GPU ")]
+    if not ids:
+        raise click.ClickException(
+            "--workers per-gpu: no NVIDIA GPU found (nvidia-smi -L lists none, or "
+            "CUDA_VISIBLE_DEVICES is empty); give a number of workers"
+        )
+    return ids
 
 
 def with_sequences(settings: Settings, workers: int) -> Settings:

@@ -87,9 +87,12 @@ class Stack:
         workers: int = 1,
         log_dir: Path | None = None,
         data_dir: Path | None = None,
+        gpus: list[str] | None = None,
     ) -> None:
         self.settings = settings
         self.workers = workers
+        #: One GPU per worker (CUDA_VISIBLE_DEVICES), or None: each sees them all.
+        self.gpus = gpus
         #: The embedded Redis's data directory (append-only file, kept across
         #: restarts, one `parkq up` at a time); None: a temporary one, deleted
         #: at stop.
@@ -186,6 +189,8 @@ class Stack:
             wenv = dict(env)
             if self.workers > 1 or not self.settings.worker_name:
                 wenv["PARKQ_WORKER_NAME"] = f"{socket.gethostname()}.worker{i}.{os.getpid()}"
+            if self.gpus is not None:
+                wenv["CUDA_VISIBLE_DEVICES"] = self.gpus[i]
             self._spawn(f"worker{i}", [*cli, "worker"], wenv)
 
     def _take_data_dir(self, path: Path) -> None:

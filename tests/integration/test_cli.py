@@ -128,6 +128,49 @@ def test_each_request_gets_an_access_line_with_its_id_and_is_counted(
     assert "GET /v1/jobs/nope 404" in missing_line[0]
 
 
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(x.decode().split("=", 1) for x in raw if b"=" in x)
+
+
+def test_workers_per_gpu_pins_one_worker_to_each_gpu(tiny_model: Path, tmp_path: Path) -> None:
+    """`--workers per-gpu` on a host whose nvidia-smi lists two GPUs (a stand-in
+    here: this machine has none, and the CPU build ignores the pin): two workers,
+    each with CUDA_VISIBLE_DEVICES naming its own GPU, both serving."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text(
+        '#!/bin/sh\n[ "$1" = -L ] || exit 2\n'
+        "echo 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa)'\n"
+        "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bbbb)'\n"
+    )
+    (fake / "nvidia-smi").chmod(0o755)
+    env = {"PATH": f"{fake}:{os.environ['PATH']}"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    said: list[str] = []
+    proc, base = start_parkq(tiny_model, None, "--workers", "per-gpu", env=env, said=said)
+    try:
+        assert requests.get(base + "/readyz", timeout=10).json()["workers"] == 2
+        pins = sorted(e.get("CUDA_VISIBLE_DEVICES", "-") for e in map(_environ, _children(proc.pid))
+                      if "PARKQ_WORKER_NAME" in e)  # fmt: skip
+        assert pins == ["0", "1"]
+        assert "2 workers" in said[-1]
+    finally:
+        assert stop_parkq(proc) == 0
+
+
+def test_workers_per_gpu_without_a_gpu_is_one_line(tiny_model: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "PATH": str(tmp_path), "PARKQ_LOG_LEVEL": "WARNING"}  # no nvidia-smi
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "tools.cli", "up", "--model", str(tiny_model), "--ephemeral",
+         "--workers", "per-gpu"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1].startswith("Error: --workers per-gpu: no NVIDIA GPU")
+
+
 def test_no_preempt_keeps_priority_order_without_interrupting(tiny_model: Path) -> None:
     # A full engine (one sequence): the short job waits for the long one.
     env = {"PARKQ_N_BATCH": "16", "PARKQ_MIN_RUN_SECONDS": "0.05", "PARKQ_MAX_SEQS": "1"}
