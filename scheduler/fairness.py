@@ -48,14 +48,25 @@ What tests/unit/test_fairness.py checks against the Lua:
   instant apart does not set the speed.
 
 Known to fall short (helpers' reviews, reproduced on fakeredis; open in
-issue 36): keys are fixed when a job is queued, so jobs queued at different
-times and farther apart than the claim's reach are compared through the
-measured speed, as steady as the work is; a tenant's job parked back, or
-passed over by a claim, can be passed by its tenant's newer job; cancelled
-jobs other than a tenant's last stay charged to it (three quarters of a level
-at most); with work waiting past half a level the turns flatten toward
-arrival order. The one-minute benchmark (docs/benchmarks.md) measures the
-weights' share.
+issue 36):
+- a key is put back half a level at most, so a tenant's backlog past that
+  is keyed 1 ms apart at its arrival plus half a level; once it is older
+  than that it runs in arrival order, and another tenant's request waits
+  behind all of it (1,000 one-second jobs of one tenant: another's request
+  sent 29 s after them ran at once, sent 31 s after them it waited 969 s;
+  a weight-0.001 tenant's backlog took 83 of 100 claims beside a weight-1
+  tenant's one request a second). Turns hold for what arrives within half a
+  level of a backlog's start; past it, only a claim that compares each
+  tenant's first waiting job (not the queue's next 16) would;
+- keys are fixed when a job is queued, so jobs queued at different times
+  and farther apart than the claim's reach are compared through the
+  measured speed, as steady as the work is; the speed counts time in which
+  only jobs no one could take waited;
+- a tenant's job parked back, or passed over by a claim, can be passed by
+  its tenant's newer job; cancelled jobs other than a tenant's last stay
+  charged to it.
+The one-minute benchmark (docs/benchmarks.md) measures the weights' share
+with every tenant's work younger than half a level.
 """
 
 from __future__ import annotations

@@ -628,7 +628,7 @@ class Store:
             for raw_id, _ in head:
                 p.hmget(self.keys.job(as_text(raw_id)), "state", "ckpt_worker", "parked_at",
                         "model_digest", "run_seconds", "owner", "parks_others",
-                        "max_running")  # fmt: skip
+                        "max_running", "fair_v", "priority")  # fmt: skip
             records = p.execute()
         full: dict[tuple[bytes, int], bool] = {}  # (tenant, cap): at it (read once)
 
@@ -641,7 +641,7 @@ class Store:
             return full[key]
 
         for (_, score), record in zip(head, records, strict=True):
-            state, holder, parked_at, digest, ran, owner, parks, cap = record
+            state, holder, parked_at, digest, ran, owner, parks, cap, turn, level = record
             if state not in (b"queued", b"parked"):
                 continue  # a stale entry: the job ended or runs
             if mine is not None and digest is not None and digest != mine:
@@ -656,6 +656,7 @@ class Store:
             if bound:
                 held_by = as_text(holder)
                 only = [r for r, proc in zip(runners, procs, strict=True) if proc == held_by]
+                only = self._out_of_turn(turn, level, -float(score), only)
                 if parks == b"batch":
                     only = self._parkable_by(owner or b"", only)
                 if at_cap(owner, cap):
@@ -666,7 +667,7 @@ class Store:
                 if victim is None:
                     continue
                 return victim
-            pool = runners
+            pool = self._out_of_turn(turn, level, -float(score), runners)
             if parks == b"batch":  # its tenant leaves other tenants' interactive work be
                 pool = self._parkable_by(owner or b"", pool)
             if at_cap(owner, cap):
@@ -681,6 +682,27 @@ class Store:
             victim = choose_victim(self.preempt_policy, -float(score), pool, idle, now)
             return NO_ONE if victim is None else victim  # the best job anyone may take decides
         return None
+
+    def _out_of_turn(
+        self, turn: bytes | None, level: bytes | None, key: float, runners: list[Runner]
+    ) -> list[Runner]:
+        """Those of ``runners`` a waiting job (its fair ``turn``, ``level`` and
+        ``key``) may park: not one of its level with an earlier or equal turn
+        whose key is within the claim's reach after its own, which the claim
+        would hand straight back in its place (claim.lua)."""
+        if turn is None or not runners:
+            return runners
+        reach = self.policy.aging_rate * fairness.reach_seconds(self.policy.level_seconds)
+        with self.r.pipeline(transaction=False) as p:
+            for runner in runners:
+                p.hmget(self.keys.job(runner.job_id), "fair_v", "priority")
+            rows = p.execute()
+        mine = float(turn)
+        return [
+            r
+            for r, (theirs, their_level) in zip(runners, rows, strict=True)
+            if theirs is None or their_level != level or float(theirs) > mine or r.key < key - reach
+        ]
 
     def _owners(self, runners: list[Runner]) -> list[tuple[bytes, int]]:
         """Each runner's job's tenant and priority level."""

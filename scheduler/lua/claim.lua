@@ -98,7 +98,7 @@ local window = tonumber(ARGV[16])
 local reach = tonumber(ARGV[18])
 local best, best_v, best_level, head_score
 local after = 0
-local done = false
+local done, overdue = false, false
 while first < limit and not done do
   local top = redis.call('ZRANGE', KEYS[1], first, first + page - 1, 'WITHSCORES')
   if #top == 0 then break end
@@ -122,9 +122,12 @@ while first < limit and not done do
       local v, level = tonumber(f[5]), f[6] or '0'
       if not best then
         best, best_v, best_level, head_score = id, v, level, score
-        local due = tonumber(redis.call('HGET', job, 'fair_start') or '')
-        if not v or (due and now - due > reach) then
-          done = true  -- (no turn, or its turn came `reach` seconds ago: its own place)
+        if not v then
+          done = true  -- (no turn: its own place)
+          break
+        elseif now - (tonumber(redis.call('HGET', job, 'fair_start') or '') or now) > reach then
+          overdue = true  -- (its key time came `reach` seconds ago: its own place)
+          done = true
           break
         end
       elseif not v or level ~= best_level then
@@ -148,7 +151,7 @@ redis.call('HSET', job, 'nonce', ARGV[12])
 local exec = token(job)
 if live_base then
   fair_claimed(live_base .. ':turns', job, now, redis.call('ZCARD', KEYS[1]) > 0,
-               tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[17]))
+               tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[17]), overdue)
 end
 move(job, S.running)
 redis.call('HSET', job, 'worker', ARGV[2], 'resumed_at', ARGV[3])

@@ -143,8 +143,8 @@ end
 -- (`c|<level>|<tenant>`: '<virtual finish of its last job> <that job's key
 -- time> <its id>'). A job starts at the later of the level's virtual time
 -- and its tenant's clock (a tenant whose jobs ran while others waited is
--- behind by what they took; one whose last job there was cancelled takes that
--- job's start), and moves the clock on by what it is expected to take (its
+-- behind by what they took; one whose last job there was cancelled before it
+-- ran takes that job's start), and moves the clock on by what it is expected to take (its
 -- prompt and an output as fair_output's averages expect, at most its
 -- max_tokens) over the tenant's weight. It waits as if it
 -- had arrived as long after now as the level's virtual time takes to reach
@@ -172,13 +172,14 @@ local function fair_start(fair, job, now, weight, default_out, default_speed, ca
     local f, key, last = string.match(got[1], '^(%S+) (%S+) (.*)$')
     if f and last then
       start = math.max(v, tonumber(f) or v)
-      local was = redis.call('HMGET', string.match(job, '^(.-:job:)') .. last, 'state', 'fair_v')
+      local was = redis.call('HMGET', string.match(job, '^(.-:job:)') .. last, 'state', 'fair_v',
+                             'started_at')
       if was[1] == S.queued or was[1] == S.parked then
         floor = tonumber(key)
       elseif was[1] == S.cancelled then
-        -- (its earlier jobs may still wait: not before them; it takes the
-        -- cancelled job's turn, not the one after)
-        start = math.max(v, tonumber(was[2]) or v)
+        -- (its earlier jobs may still wait: not before them; one cancelled
+        -- before it ever ran hands its turn on, one that ran is charged)
+        if not was[3] then start = math.max(v, tonumber(was[2]) or v) end
         floor = tonumber(key)
       end
     end
@@ -211,8 +212,10 @@ end
 -- claim there which left other jobs waiting (`busy`: no idle spell counts),
 -- starting from `guess` per second (field `g_at|<level>`: '<the last claim's
 -- time> <moved> <seconds> <1 if it was busy>'). A parked job claimed again
--- does not move it.
-local function fair_claimed(fair, job, now, busy, claims, min_speed, guess)
+-- does not move it, nor does one taken out of turn because it was `overdue`
+-- (its turn is ahead: moving there would wipe out every other tenant's lead
+-- and count as speed).
+local function fair_claimed(fair, job, now, busy, claims, min_speed, guess, overdue)
   local got = redis.call('HMGET', job, 'fair_v', 'priority')
   local fv = tonumber(got[1])
   if not fv then return end
@@ -220,7 +223,7 @@ local function fair_claimed(fair, job, now, busy, claims, min_speed, guess)
   local r = redis.call('HMGET', fair, 'v|' .. level, 'g_at|' .. level)
   local cur = tonumber(r[1])
   local moved = 0
-  if not cur or fv > cur then
+  if not overdue and (not cur or fv > cur) then
     redis.call('HSET', fair, 'v|' .. level, string.format('%.17g', fv))
     if cur then moved = fv - cur end
   end
@@ -229,7 +232,7 @@ local function fair_claimed(fair, job, now, busy, claims, min_speed, guess)
   if not (dv and dt and dt > 0) then
     dv, dt = guess, 1  -- (a first guess that the first claims only move a little)
   end
-  if at and was_busy == '1' then
+  if at and was_busy == '1' and not overdue then
     local a = 1 / claims
     dv, dt = dv + a * (moved - dv), dt + a * (math.max(0, now - at) - dt)
     if dt > 0 then

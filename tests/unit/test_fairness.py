@@ -258,7 +258,7 @@ def test_claims_measure_the_speed_and_the_janitor_drops_clocks_that_no_longer_co
     # its jobs are claimed 0.5 s apart while others wait: the level's virtual
     # time moves 220 tokens a second.
     for i in range(62):
-        _put(store, f"a{i}", "alpha", now - 100)
+        _put(store, f"a{i}", "alpha", now - 41)
     for i in range(60):
         claim = store.claim(f"w{i}", now - 40 + 0.5 * i)
         assert claim is not None
@@ -497,3 +497,63 @@ def test_a_burst_of_claims_an_instant_apart_does_not_set_the_speed(store: Store)
         _put(store, f"f{i}", "flood", T0 + 60)
     last = float(store.r.hget(store.keys.job("f99"), "fair_start") or 0)
     assert last - (T0 + 60) >= fairness.most_seconds(store.policy.level_seconds) - 1
+
+
+def test_a_job_taken_out_of_turn_does_not_move_virtual_time(store: Store) -> None:
+    """A weight-0.001 tenant's second job is far ahead in turns and is taken
+    once its key time is a quarter level past: the level's virtual time (and
+    so every other tenant's lead, and the measured speed) stays where turns
+    put it. An hour later a flood is still spread over its turns: a tenant's
+    one request a second after it runs second."""
+    for i in range(48):
+        _put(store, f"b{i}", "beta", T0)
+    for j in ("t0", "t1"):
+        _put(store, j, "tiny", T0, weight=0.001)
+    now = T0
+    while (claim := store.claim("w", now)) is not None:
+        now += 1.0
+        store.finish(claim.job_id, claim.exec_token, "w", JobState.FINISHED, {"usage": _USAGE},
+                     0, [], now)  # fmt: skip
+    assert float(store.r.hget(store.keys.fair, "g|0") or 0) < 3 * fairness.DEFAULT_SPEED
+    later = now + 3600
+    for i in range(100):
+        _put(store, f"a{i}", "alpha", later)
+    _put(store, "g0", "gamma", later + 1)
+    assert [_serve(store, later + 1 + i, 1.0) for i in range(2)][1] == "g0"
+
+
+def test_a_job_cancelled_after_it_ran_is_charged(store: Store) -> None:
+    """beta's request ran, then was cancelled (its client left): beta's next
+    one is charged for it and takes its turn after alpha's, sent later."""
+    _put(store, "b0", "beta", T0)
+    running = store.claim("w0", T0)
+    assert running is not None and running.job_id == "b0"
+    store.finish("b0", running.exec_token, "w0", JobState.CANCELLED, {}, 0, [], T0 + 1)
+    assert store.r.hget(store.keys.job("b0"), "state") == b"cancelled"
+    _put(store, "b1", "beta", T0 + 1)
+    _put(store, "a0", "alpha", T0 + 1.5)
+    assert _claims(store, 2, T0 + 2, by="x") == ["a0", "b1"]
+
+
+def test_a_waiting_job_parks_no_runner_the_claim_would_hand_back(store: Store) -> None:
+    """R (beta) runs at an earlier turn than F (alpha, waiting) but a later key:
+    parking R for F would only see the claim take R again in F's place."""
+    for worker in ("w1", "w2"):
+        store.workers.heartbeat(worker, now=T0, ttl=10_000)
+    _put(store, "g0", "gamma", T0)
+    assert (busy := store.claim("w2", T0)) is not None and busy.job_id == "g0"
+    _put(store, "a0", "alpha", T0, prompt=500)
+    first = store.claim("w1", T0)
+    assert first is not None
+    store.finish("a0", first.exec_token, "w1", JobState.FINISHED, {"usage": _USAGE}, 0, [], T0)
+    _put(store, "b0", "beta", T0 + 0.06, prompt=400)
+    done = store.claim("w1", T0 + 0.06)
+    assert done is not None
+    store.finish("b0", done.exec_token, "w1", JobState.FINISHED, {"usage": _USAGE}, 0, [], T0)
+    _put(store, "R", "beta", T0 + 0.1, prompt=400)
+    assert (run := store.claim("w1", T0 + 0.1)) is not None and run.job_id == "R"
+    _put(store, "F", "alpha", T0 + 0.2)
+    key = {j: float(store.r.hget(store.keys.job(j), "fair_start") or 0) for j in ("R", "F")}
+    turn = {j: float(store.r.hget(store.keys.job(j), "fair_v") or 0) for j in ("R", "F")}
+    assert key["F"] + 1 < key["R"] and turn["R"] < turn["F"]  # the case at hand
+    assert store.maybe_preempt(T0 + 0.5) is None
