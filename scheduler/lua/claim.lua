@@ -100,14 +100,13 @@ local best, best_v, best_level, head_score
 local after = 0
 local done, overdue = false, false
 while first < limit and not done do
-  local top = redis.call('ZRANGE', KEYS[1], first, first + page - 1, 'WITHSCORES')
+  local top = redis.call('ZRANGE', KEYS[1], first, first + page - 1)
   if #top == 0 then break end
   local removed = 0
-  for i = 1, #top, 2 do
-    local id, score = top[i], tonumber(top[i + 1])
+  for _, id in ipairs(top) do
     if best then
       after = after + 1
-      if after > look or score > head_score + window then
+      if after > look or tonumber(redis.call('ZSCORE', KEYS[1], id)) > head_score + window then
         done = true
         break
       end
@@ -121,7 +120,8 @@ while first < limit and not done do
     elseif fits(id, job, f) then
       local v, level = tonumber(f[5]), f[6] or '0'
       if not best then
-        best, best_v, best_level, head_score = id, v, level, score
+        best, best_v, best_level = id, v, level
+        head_score = tonumber(redis.call('ZSCORE', KEYS[1], id))
         if not v then
           done = true  -- (no turn: its own place)
           break
@@ -139,7 +139,7 @@ while first < limit and not done do
     end
   end
   if done then break end
-  first = first + #top / 2 - removed
+  first = first + #top - removed
 end
 if not best then return false end
 
