@@ -147,6 +147,23 @@ def up(model: str | None, host: str | None, port: int | None, workers: str,
     sys.exit(code)
 
 
+#: What `parkq bench` imports from the [bench] extra: the figure, and
+#: llama-cpp-python's own server as a peer.
+BENCH_MODULES = ("matplotlib", "fastapi", "uvicorn", "sse_starlette", "starlette_context")
+
+
+def _need_bench_extra() -> None:
+    """Say at once, not after a run of minutes, that the [bench] extra is missing."""
+    from importlib.util import find_spec
+
+    missing = [name for name in BENCH_MODULES if find_spec(name) is None]
+    if missing:
+        raise click.ClickException(
+            f"parkq bench needs the [bench] extra ({', '.join(missing)} missing): "
+            ".venv/bin/pip install -e '.[bench]' (./scripts/test installs it)"
+        )
+
+
 def _worker_gpus(workers: str) -> list[str] | None:
     """``--workers``: None for a number of workers; for ``per-gpu``, the GPUs to
     pin one worker each to (CUDA_VISIBLE_DEVICES's list where it is set, else
@@ -359,6 +376,7 @@ def bench(model: str | None, quick: bool, duration: float | None, rate: float | 
     engine, greedy and with the openai client's default sampling."""
     import tempfile
 
+    _need_bench_extra()
     from jobs.engine.llama import Vocab
     from jobs.engine.testmodel import write_test_model
     from tools.bench import SAMPLING

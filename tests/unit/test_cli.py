@@ -18,3 +18,21 @@ def test_the_reports_quiet_the_logs_by_default(monkeypatch: pytest.MonkeyPatch) 
 def test_parkq_log_level_is_honoured(monkeypatch: pytest.MonkeyPatch, level: str) -> None:
     monkeypatch.setenv("PARKQ_LOG_LEVEL", level)
     assert load_settings(log_level=_quiet()).log_level == level
+
+
+def test_bench_without_its_extra_says_so_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import util
+
+    from click.testing import CliRunner
+
+    from tools.cli import main
+
+    found = util.find_spec
+
+    def without_matplotlib(name: str, *rest: str | None) -> object:
+        return None if name == "matplotlib" else found(name, *rest)
+
+    monkeypatch.setattr(util, "find_spec", without_matplotlib)
+    run = CliRunner().invoke(main, ["bench", "--quick"])
+    assert run.exit_code == 1
+    assert "parkq bench needs the [bench] extra (matplotlib missing)" in run.output
