@@ -4,8 +4,8 @@ Start-time fair queueing (Goyal, Vin and Cheng, 1996) on the queue's static
 keys (scheduler/policy.py). Each level has a virtual time ``V``, in tokens per
 unit of weight: the virtual start of the last job claimed there. Each tenant
 has a clock per level ``F``: the virtual finish of its last job there. A job
-starts at ``max(V, F)`` (a tenant whose last job was cancelled takes that
-job's start instead) and moves ``F`` on by ``tokens / weight``, ``tokens``
+starts at ``max(V, F)`` (a tenant whose last job was cancelled before it
+ran takes that job's start instead) and moves ``F`` on by ``tokens / weight``, ``tokens``
 what it is expected to take. A tenant that ran alone moved ``V`` with it, so
 it owes one turn, not all it ran.
 
@@ -30,8 +30,10 @@ What tests/unit/test_fairness.py checks against the Lua:
 - a tenant's own jobs keep their order at a level while the earlier ones wait
   and none is parked back or passed over by a claim (a job is never put before
   its tenant's last one still waiting there, or cancelled);
-- a tenant with nothing waiting starts at most one turn after ``V``, not
-  behind another tenant's flood;
+- a tenant with nothing waiting starts at most one turn after ``V`` (its
+  last job's), not behind another tenant's flood, nor behind for what it ran
+  beside a backlog past half a level (``V`` moves on with jobs taken out of
+  turn, at its measured speed);
 - tenants that keep jobs waiting are claimed in proportion to their weights,
   in expected tokens (a job's prompt and the larger of its tenant's usual
   output and its tenant's usual share of max_tokens times its own, at most its
@@ -44,8 +46,9 @@ What tests/unit/test_fairness.py checks against the Lua:
   lower level, runs first;
 - tenants sending one request at a time do not starve another's backlog, a
   tenant that cancelled a flood waits three quarters of a level at most, a job
-  taken in another's place is not parked for it, and a burst of claims an
-  instant apart does not set the speed.
+  taken in another's place is not parked for it, a waiting job of an equal
+  turn parks the runner, and neither a burst of claims an instant apart nor
+  a job taken out of turn sets the speed.
 
 Known to fall short (helpers' reviews, reproduced on fakeredis; open in
 issue 36):

@@ -628,7 +628,7 @@ class Store:
             for raw_id, _ in head:
                 p.hmget(self.keys.job(as_text(raw_id)), "state", "ckpt_worker", "parked_at",
                         "model_digest", "run_seconds", "owner", "parks_others",
-                        "max_running", "fair_v", "priority")  # fmt: skip
+                        "max_running", "fair_v", "priority", "fair_start")  # fmt: skip
             records = p.execute()
         full: dict[tuple[bytes, int], bool] = {}  # (tenant, cap): at it (read once)
 
@@ -641,7 +641,11 @@ class Store:
             return full[key]
 
         for (_, score), record in zip(head, records, strict=True):
-            state, holder, parked_at, digest, ran, owner, parks, cap, turn, level = record
+            state, holder, parked_at, digest, ran, owner, parks, cap, turn, level, due = record
+            if turn is not None and now - float(due or now) > fairness.reach_seconds(
+                self.policy.level_seconds
+            ):
+                turn = None  # overdue: the claim takes it in its own place, whatever the turns
             if state not in (b"queued", b"parked"):
                 continue  # a stale entry: the job ended or runs
             if mine is not None and digest is not None and digest != mine:
@@ -668,6 +672,8 @@ class Store:
                     continue
                 return victim
             pool = self._out_of_turn(turn, level, -float(score), runners)
+            if runners and not pool and not idle:
+                continue  # each runner's turn is earlier: the claim would hand it back
             if parks == b"batch":  # its tenant leaves other tenants' interactive work be
                 pool = self._parkable_by(owner or b"", pool)
             if at_cap(owner, cap):
@@ -687,9 +693,10 @@ class Store:
         self, turn: bytes | None, level: bytes | None, key: float, runners: list[Runner]
     ) -> list[Runner]:
         """Those of ``runners`` a waiting job (its fair ``turn``, ``level`` and
-        ``key``) may park: not one of its level with an earlier or equal turn
-        whose key is within the claim's reach after its own, which the claim
-        would hand straight back in its place (claim.lua)."""
+        ``key``; no turn: overdue, or none taken) may park: not one of its
+        level with an earlier turn whose key is within the claim's reach after
+        its own, which the claim would hand straight back in its place
+        (claim.lua)."""
         if turn is None or not runners:
             return runners
         reach = self.policy.aging_rate * fairness.reach_seconds(self.policy.level_seconds)
@@ -698,11 +705,13 @@ class Store:
                 p.hmget(self.keys.job(runner.job_id), "fair_v", "priority")
             rows = p.execute()
         mine = float(turn)
-        return [
-            r
-            for r, (theirs, their_level) in zip(runners, rows, strict=True)
-            if theirs is None or their_level != level or float(theirs) > mine or r.key < key - reach
-        ]
+
+        def parkable(r: Runner, theirs: bytes | None, their_level: bytes | None) -> bool:
+            if theirs is None or their_level != level or float(theirs) >= mine:
+                return True  # another level, no turn, or not an earlier one
+            return r.key < key - reach  # beyond the claim's reach
+
+        return [r for r, row in zip(runners, rows, strict=True) if parkable(r, *row)]
 
     def _owners(self, runners: list[Runner]) -> list[tuple[bytes, int]]:
         """Each runner's job's tenant and priority level."""

@@ -151,7 +151,8 @@ redis.call('HSET', job, 'nonce', ARGV[12])
 local exec = token(job)
 if live_base then
   fair_claimed(live_base .. ':turns', job, now, redis.call('ZCARD', KEYS[1]) > 0,
-               tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[17]), overdue)
+               tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[17]), overdue,
+               2 * reach)
 end
 move(job, S.running)
 redis.call('HSET', job, 'worker', ARGV[2], 'resumed_at', ARGV[3])

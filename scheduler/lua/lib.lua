@@ -212,27 +212,37 @@ end
 -- claim there which left other jobs waiting (`busy`: no idle spell counts),
 -- starting from `guess` per second (field `g_at|<level>`: '<the last claim's
 -- time> <moved> <seconds> <1 if it was busy>'). A parked job claimed again
--- does not move it, nor does one taken out of turn because it was `overdue`
--- (its turn is ahead: moving there would wipe out every other tenant's lead
--- and count as speed).
-local function fair_claimed(fair, job, now, busy, claims, min_speed, guess, overdue)
+-- does not move it. A job taken out of turn (`overdue`, or its start farther
+-- ahead than a key can show: `cap` seconds at the speed so far) moves it only
+-- as far as the speed carries it since the last claim, and is not counted in
+-- the speed: its turn is a jump (a backlog past half a level), which would
+-- wipe out every other tenant's place and, as speed, flatten every later key.
+local function fair_claimed(fair, job, now, busy, claims, min_speed, guess, overdue, cap)
   local got = redis.call('HMGET', job, 'fair_v', 'priority')
   local fv = tonumber(got[1])
   if not fv then return end
   local level = got[2] or '0'
-  local r = redis.call('HMGET', fair, 'v|' .. level, 'g_at|' .. level)
+  local r = redis.call('HMGET', fair, 'v|' .. level, 'g_at|' .. level, 'g|' .. level)
   local cur = tonumber(r[1])
-  local moved = 0
-  if not overdue and (not cur or fv > cur) then
-    redis.call('HSET', fair, 'v|' .. level, string.format('%.17g', fv))
-    if cur then moved = fv - cur end
-  end
+  local speed = tonumber(r[3]) or guess
   local at, dv, dt, was_busy = string.match(r[2] or '', '^(%S+) (%S+) (%S+) (%S+)$')
   at, dv, dt = tonumber(at), tonumber(dv), tonumber(dt)
+  local out_of_turn = overdue or (cur ~= nil and fv - cur > speed * cap)
+  local moved = 0
+  if not cur or fv > cur then
+    local to = fv
+    if cur and out_of_turn then
+      to = math.min(fv, cur + speed * math.max(0, now - (at or now)))
+    end
+    if not cur or to > cur then
+      redis.call('HSET', fair, 'v|' .. level, string.format('%.17g', to))
+      if cur then moved = to - cur end
+    end
+  end
   if not (dv and dt and dt > 0) then
     dv, dt = guess, 1  -- (a first guess that the first claims only move a little)
   end
-  if at and was_busy == '1' and not overdue then
+  if at and was_busy == '1' and not out_of_turn then
     local a = 1 / claims
     dv, dt = dv + a * (moved - dv), dt + a * (math.max(0, now - at) - dt)
     if dt > 0 then

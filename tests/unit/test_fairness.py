@@ -557,3 +557,46 @@ def test_a_waiting_job_parks_no_runner_the_claim_would_hand_back(store: Store) -
     turn = {j: float(store.r.hget(store.keys.job(j), "fair_v") or 0) for j in ("R", "F")}
     assert key["F"] + 1 < key["R"] and turn["R"] < turn["F"]  # the case at hand
     assert store.maybe_preempt(T0 + 0.5) is None
+
+
+def test_a_tenant_served_beside_an_old_backlog_is_not_held_back_after_it(store: Store) -> None:
+    """alpha's 300 one-second jobs run past half a level (in arrival order);
+    beta's requests, one every 10 s meanwhile, run among them. Once the
+    backlog is gone beta and a newcomer take turns one for one: the level's
+    virtual time moved on with the backlog, so beta owes nothing for it."""
+    for i in range(300):
+        _put(store, f"a{i}", "alpha", T0)
+    now, sent = T0, 0
+    while True:
+        if sent < 20 and now >= T0 + 40 + 10 * sent:
+            _put(store, f"b{sent}", "beta", now)
+            sent += 1
+        claim = store.claim("w", now)
+        if claim is None:
+            break
+        now += 1.0
+        store.finish(claim.job_id, claim.exec_token, "w", JobState.FINISHED, {"usage": _USAGE},
+                     0, [], now)  # fmt: skip
+    for i in range(10):
+        _put(store, f"B{i}", "beta", now)
+        _put(store, f"G{i}", "gamma", now)
+    order = "".join(_serve(store, now + i, 1.0)[0] for i in range(20))
+    assert order.count("B", 0, 10) == 5, order
+
+
+def test_a_waiting_job_of_an_equal_turn_parks_the_runner(store: Store) -> None:
+    """R (alpha, a turn ahead) runs; beta, with nothing waiting, sends W at the
+    same turn and a key 11 s earlier: the claim would take W first (equal
+    turns keep their places), so W parks R."""
+    store.workers.heartbeat("w1", now=T0, ttl=10_000)
+    _put(store, "a0", "alpha", T0, prompt=500)
+    first = store.claim("w1", T0)
+    assert first is not None
+    store.finish("a0", first.exec_token, "w1", JobState.FINISHED, {"usage": _USAGE}, 0, [],
+                 T0 + 0.05)  # fmt: skip
+    _put(store, "R", "alpha", T0 + 0.1, prompt=500)
+    assert (run := store.claim("w1", T0 + 0.1)) is not None and run.job_id == "R"
+    _put(store, "W", "beta", T0 + 0.5)
+    turns = [store.r.hget(store.keys.job(j), "fair_v") for j in ("R", "W")]
+    assert turns[0] == turns[1]
+    assert store.maybe_preempt(T0 + 1.0) == "w1"
