@@ -22,6 +22,16 @@ __all__ = ["init_app"]
 
 log = logging.getLogger("parkq.access")
 
+#: The methods counted by name; any other counts as "other" (a client may send
+#: any token as a method: the metrics' labels stay bounded).
+METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+
+
+def _printable(text: str) -> str:
+    """``text`` with control and non-ASCII characters escaped: a path with a
+    line break in it cannot forge a log line."""
+    return text.encode("unicode_escape").decode("ascii")
+
 
 def init_app(app: Flask, enabled: bool) -> None:
     from web.runtime import current
@@ -33,7 +43,8 @@ def init_app(app: Flask, enabled: bool) -> None:
     @app.after_request
     def _log(response: Response) -> Response:
         t0 = g.get("access_t0", time.perf_counter())
-        rid, method, path = request_id() or "-", request.method, request.path
+        rid, method = request_id() or "-", _printable(request.method)
+        path = _printable(request.path)
         route = request.url_rule.rule if request.url_rule is not None else "unmatched"
         status, streamed = response.status_code, response.is_streamed
         addr = request.remote_addr or "-"
@@ -45,7 +56,8 @@ def init_app(app: Flask, enabled: bool) -> None:
                 log.info("%s %s %s %d %.1f ms%s [%s]", addr, method, path, status, ms,
                          " stream" if streamed else "", rid)  # fmt: skip
             try:
-                telemetry.count(f"http|{method}|{route}|{status}")
+                counted = method if method in METHODS else "other"
+                telemetry.count(f"http|{counted}|{route}|{status}")
                 if not streamed:
                     telemetry.observe("http_ms", ms)
             except Exception:  # (a metric lost to a Redis blip: the response stands)

@@ -37,3 +37,23 @@ def test_one_line_a_request_unless_turned_off_and_counted_either_way(
     assert 'route="/v1/jobs/<job_id>",status="404"} 1.0' in page
     assert 'route="unmatched",status="404"} 1.0' in page
     assert "parkq_http_request_duration_seconds_count 3.0" in page
+
+
+def test_an_odd_method_counts_as_other(settings: Settings) -> None:
+    app = create_app(settings, vocab=FakeVocab(), client=fakeredis.FakeRedis())
+    client = app.test_client()
+    for i in range(3):
+        client.open("/no-such-route", method=f"BREW{i}").close()
+    page = client.get("/metrics").text
+    assert 'parkq_http_requests_total{method="other",route="unmatched",status="404"} 3.0' in page
+    assert "BREW" not in page
+
+
+def test_a_path_cannot_forge_a_log_line(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = create_app(settings, vocab=FakeVocab(), client=fakeredis.FakeRedis())
+    with caplog.at_level(logging.INFO, logger="parkq.access"):
+        app.test_client().get("/x%0A127.0.0.1 GET /admin 200").close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "parkq.access"]
+    assert len(lines) == 1 and "\n" not in lines[0] and "/x\\n127.0.0.1" in lines[0]
