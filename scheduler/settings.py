@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import functools
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -402,9 +403,14 @@ class Settings(BaseSettings):
     @classmethod
     def _path(cls, v: object) -> object:
         """A path as a shell would give it: `~` and `$VAR` expanded, here, so
-        every process reads the same file (an env file passes them unexpanded)."""
+        every process reads the same file (an env file passes them unexpanded).
+        A variable that is not set is an error, not a folder named after it."""
         if isinstance(v, str) and v:
-            return os.path.expanduser(os.path.expandvars(v))
+            expanded = os.path.expandvars(v)
+            unset = re.search(r"\$(\{)?[A-Za-z_][A-Za-z0-9_]*(?(1)\})", expanded)
+            if unset:
+                raise ValueError(f"{v!r} names {unset.group(0)}, which is not set")
+            return os.path.expanduser(expanded)
         return v
 
     @field_validator("api_keys", "admin_keys")

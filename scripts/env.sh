@@ -32,13 +32,13 @@ ensure_venv() {
   fi
   # llama.cpp with parkq's patches (tools/llamapatch): compiled once per machine
   # (minutes), cached; a venv that has it already costs one import here.
-  # Compiling it takes a C++ compiler: say so in one line before minutes of pip.
+  # Compiling it takes a C++ compiler: say so in one line before minutes of pip
+  # (a warning: a cached or prebuilt wheel needs none).
   if ! .venv/bin/python -c 'import llama_cpp' >/dev/null 2>&1 &&
-    ! ls "${PARKQ_CACHE_DIR:-$HOME/.cache/parkq}"/wheels/*/llama_cpp_python-*.whl >/dev/null 2>&1 &&
-    ! command -v c++ >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1; then
+    ! command -v "${CXX:-c++}" >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1 &&
+    ! command -v clang++ >/dev/null 2>&1; then
     echo "parkq: building llama.cpp needs a C++ compiler and none was found" \
       "(Debian, Ubuntu: sudo apt-get install g++)" >&2
-    exit 1
   fi
   if ! .venv/bin/python -m tools.llamapatch ensure; then
     echo "parkq: WARNING: parkq's patched llama.cpp did not build or install (above);" \
@@ -63,16 +63,23 @@ ensure_system_packages() {
   command -v chromium >/dev/null 2>&1 || need+=(chromium)
   { command -v cc && command -v c++; } >/dev/null 2>&1 || need+=(build-essential)
   command -v cmake >/dev/null 2>&1 || need+=(cmake)
-  # (tests/integration/test_nginx.py runs docs/examples/nginx.conf)
-  command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
-  [ ${#need[@]} -eq 0 ] && return
+  local web=()  # (tests/integration/test_nginx.py runs docs/examples/nginx.conf)
+  command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || web=(nginx-light)
+  [ ${#need[@]} -eq 0 ] && [ ${#web[@]} -eq 0 ] && return
   local sudo=""
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
   if command -v apt-get >/dev/null 2>&1; then
-    echo "parkq: installing ${need[*]} with apt-get..." >&2
+    echo "parkq: installing ${need[*]} ${web[*]} with apt-get..." >&2
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    if [ ${#need[@]} -gt 0 ]; then
+      $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    fi
+    # (apart: a distribution without it fails the nginx test alone, not the install)
+    if [ ${#web[@]} -gt 0 ]; then
+      $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${web[@]}" >/dev/null ||
+        echo "parkq: ${web[*]} did not install; tests/integration/test_nginx.py will fail" >&2
+    fi
   else
-    echo "parkq: please install: ${need[*]}" >&2
+    echo "parkq: please install: ${need[*]} ${web[*]}" >&2
   fi
 }

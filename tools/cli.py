@@ -49,7 +49,24 @@ def _version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
     ctx.exit()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """parkq's commands: a setting the environment gives wrong is one line
+    naming it (PARKQ_<NAME>: what is wrong), not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from pydantic import ValidationError
+
+        try:
+            return super().invoke(ctx)
+        except ValidationError as exc:
+            said = "; ".join(
+                f"PARKQ_{str(e['loc'][0]).upper()}: {e['msg']}" if e["loc"] else e["msg"]
+                for e in exc.errors()
+            )
+            raise click.ClickException(said) from None
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_version,
               help="Show parkq's version and llama-cpp-python's, and exit.")  # fmt: skip
 def main() -> None:
@@ -169,9 +186,9 @@ def _worker_gpus(workers: str) -> list[str] | None:
     pin one worker each to (CUDA_VISIBLE_DEVICES's list where it is set, else
     every GPU ``nvidia-smi -L`` lists)."""
     if workers != "per-gpu":
-        if not workers.isdecimal() or int(workers) < 1:
-            raise click.BadParameter("a number of workers from 1, or 'per-gpu'",
-                                     param_hint="--workers")  # fmt: skip
+        if not workers.isdecimal():
+            raise click.BadParameter("a number of workers (0: none, the web alone), or "
+                                     "'per-gpu'", param_hint="--workers")  # fmt: skip
         return None
     given = os.environ.get("CUDA_VISIBLE_DEVICES")
     if given is not None:
@@ -183,9 +200,12 @@ def _worker_gpus(workers: str) -> list[str] | None:
         smi = shutil.which("nvidia-smi")
         listed = ""
         if smi:
-            run = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30,
-                                 check=False)  # fmt: skip
-            listed = run.stdout if run.returncode == 0 else ""
+            try:
+                run = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30,
+                                     check=False)  # fmt: skip
+                listed = run.stdout if run.returncode == 0 else ""
+            except (subprocess.TimeoutExpired, OSError):
+                listed = ""
         ids = [str(i) for i, line in enumerate(listed.splitlines()) if line.startswith("GPU ")]
     if not ids:
         raise click.ClickException(

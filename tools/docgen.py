@@ -93,10 +93,8 @@ ENV_HEAD = """\
 # Required: the password of the compose Redis (the app connects with it). Left
 # empty, compose refuses to start; make a long random one: openssl rand -hex 24
 REDIS_PASSWORD=
-# Which worker runs: `gpu` (the CUDA image, one NVIDIA GPU: needs the NVIDIA
-# container toolkit) or `cpu` (the CPU image, no GPU). Add `dashboard` for
-# rq-dashboard (e.g. gpu,dashboard).
-COMPOSE_PROFILES=gpu
+# On a host without an NVIDIA GPU, the CPU worker in place of the GPU one:
+# COMPOSE_FILE=compose.yaml:compose.cpu.yaml
 # The GGUF file inside the `models` volume, and where the web port is published:
 # loopback only by default; 0.0.0.0:8000 opens it to the network (set PARKQ_API_KEYS).
 PARKQ_MODEL_FILE=model.gguf

@@ -92,7 +92,9 @@ def create_app(
     # here (about a second for a 262k-token vocabulary), not on a first request.
     spellings(vocab.control_texts())
     requestid.init_app(app)
-    access.init_app(app, settings.access_log)
+    app.extensions["parkq.http"] = access.init_app(
+        app, app.extensions["parkq"].store.telemetry, settings.access_log
+    )
     errors.init_app(app)
     auth.init_app(app, settings.api_key_entries)
     from web.api import bp

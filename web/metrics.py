@@ -221,6 +221,7 @@ class RedisCollector(Collector):
 
 @bp.get("/metrics")
 def metrics() -> Response:
+    current_app.extensions["parkq.http"].flush()  # (this process's HTTP counts, now)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RedisCollector(current_app.extensions["parkq"].store, caller().admin))
     return Response(generate_latest(registry), mimetype="text/plain; version=0.0.4")

@@ -36,3 +36,30 @@ def test_bench_without_its_extra_says_so_at_once(monkeypatch: pytest.MonkeyPatch
     run = CliRunner().invoke(main, ["bench", "--quick"])
     assert run.exit_code == 1
     assert "parkq bench needs the [bench] extra (matplotlib missing)" in run.output
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        (
+            "PARKQ_MODEL",
+            "$PARKQ_TEST_UNSET_DIR/m.gguf",
+            "names $PARKQ_TEST_UNSET_DIR, which is not set",
+        ),
+        ("PARKQ_N_CTX", "abc", "Input should be a valid integer"),
+    ],
+)
+def test_a_wrong_setting_is_one_line_naming_it(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, says: str
+) -> None:
+    from click.testing import CliRunner
+
+    from tools.cli import main
+
+    monkeypatch.delenv("PARKQ_TEST_UNSET_DIR", raising=False)
+    monkeypatch.setenv(name, value)
+    run = CliRunner().invoke(main, ["up"])
+    assert run.exit_code == 1
+    lines = run.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {name}: ")
+    assert says in run.output

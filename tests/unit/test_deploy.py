@@ -28,9 +28,10 @@ def compose() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "compose.yaml").read_text())
 
 
-def test_compose_file_follows_the_compose_spec() -> None:
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.cpu.yaml"])
+def test_compose_files_follow_the_compose_spec(name: str) -> None:
     run = subprocess.run(
-        [_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", "compose.yaml"],
+        [_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", name],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
@@ -61,19 +62,22 @@ def test_redis_is_private_protected_durable_and_checked(compose: dict[str, Any])
 
 def test_web_and_worker(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    web, worker, cpu = services["web"], services["worker"], services["worker-cpu"]
+    web, worker = services["web"], services["worker"]
+    cpu = yaml.safe_load((ROOT / "compose.cpu.yaml").read_text())["services"]
     assert web["depends_on"]["redis"]["condition"] == "service_healthy"
     # Published on loopback unless the operator opens it.
     assert web["ports"] == ["${PARKQ_PUBLISH:-127.0.0.1:8000}:8000"]
     # Its health is its liveness: no worker up yet is no reason to restart it.
     assert "/livez" in " ".join(web["healthcheck"]["test"])
-    # One worker per profile: the GPU one (the CUDA image) or the CPU one.
-    assert worker["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]
+    # The GPU worker starts by default (as before); compose.cpu.yaml puts it
+    # behind a profile never given and runs the CPU image's worker instead.
+    assert "profiles" not in worker and cpu["worker"]["profiles"] == ["gpu"]
+    cpu = cpu["worker-cpu"]  # (a service of its own: every field its own)
     assert worker["build"]["args"]["BACKEND"] == "cuda" and worker["image"] == "parkq:cuda"
     assert cpu["build"]["args"]["BACKEND"] == "cpu" and cpu["image"] == "parkq:cpu"
     devices = worker["deploy"]["resources"]["reservations"]["devices"]
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
-    assert not cpu["deploy"]
+    assert "deploy" not in cpu
     for w in (worker, cpu):
         assert w["command"] == ["worker"]
         assert w["depends_on"]["redis"]["condition"] == "service_healthy"
@@ -105,4 +109,4 @@ def test_env_example_lists_every_setting() -> None:
         assert f"PARKQ_{name.upper()}=" in text, name
     # No default password: compose's `:?` guard refuses to start without one.
     assert re.search(r"^REDIS_PASSWORD=$", text, flags=re.M)
-    assert re.search(r"^COMPOSE_PROFILES=gpu$", text, flags=re.M)
+    assert "COMPOSE_FILE=compose.yaml:compose.cpu.yaml" in text
