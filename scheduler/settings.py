@@ -396,7 +396,8 @@ class Settings(BaseSettings):
         True,
         description="`parkq web` logs one line per HTTP request (logger `parkq.access`, at "
         "INFO): client address, method, path, status, milliseconds to its last byte, "
-        "`stream` for a stream, and its request id.",
+        "`stream` for a stream, and its request id (the probes /livez, /readyz and /healthz at "
+        "DEBUG).",
     )
 
     @field_validator("model", "data_dir", "cache_dir", "keys_file", mode="before")
