@@ -238,6 +238,10 @@ class Store:
         self.model = model
         self.keys: Keys = settings.keys
         self.policy: Policy = settings.policy
+        #: How far behind the first waiting job a claim compares turns, in
+        #: seconds of key (scheduler/fairness.py), and in score.
+        self._reach = fairness.reach_seconds(self.policy.level_seconds)
+        self._reach_score = self.policy.aging_rate * self._reach
         self.preempt_policy: PreemptPolicy = settings.preempt_policy
         self.settings = settings
         self.result_ttl = settings.result_ttl
@@ -642,9 +646,7 @@ class Store:
 
         for (_, score), record in zip(head, records, strict=True):
             state, holder, parked_at, digest, ran, owner, parks, cap, turn, level, due = record
-            if turn is not None and now - float(due or now) > fairness.reach_seconds(
-                self.policy.level_seconds
-            ):
+            if turn is not None and now - float(due or now) > self._reach:
                 turn = None  # overdue: the claim takes it in its own place, whatever the turns
             if state not in (b"queued", b"parked"):
                 continue  # a stale entry: the job ended or runs
@@ -699,7 +701,6 @@ class Store:
         (claim.lua)."""
         if turn is None or not runners:
             return runners
-        reach = self.policy.aging_rate * fairness.reach_seconds(self.policy.level_seconds)
         with self.r.pipeline(transaction=False) as p:
             for runner in runners:
                 p.hmget(self.keys.job(runner.job_id), "fair_v", "priority")
@@ -709,7 +710,7 @@ class Store:
         def parkable(r: Runner, theirs: bytes | None, their_level: bytes | None) -> bool:
             if theirs is None or their_level != level or float(theirs) >= mine:
                 return True  # another level, no turn, or not an earlier one
-            return r.key < key - reach  # beyond the claim's reach
+            return r.key < key - self._reach_score  # beyond the claim's reach
 
         return [r for r, row in zip(runners, rows, strict=True) if parkable(r, *row)]
 
@@ -778,9 +779,9 @@ class Store:
                 fairness.SPEED_CLAIMS,
                 repr(fairness.MIN_SPEED),
                 fairness.LOOK,
-                repr(self.policy.aging_rate * fairness.reach_seconds(self.policy.level_seconds)),
+                repr(self._reach_score),
                 repr(fairness.DEFAULT_SPEED),
-                repr(fairness.reach_seconds(self.policy.level_seconds)),
+                repr(self._reach),
             ],
         )
         if not got:
