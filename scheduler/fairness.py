@@ -21,8 +21,9 @@ and ``reach_seconds`` (a quarter level) of key behind it, by their virtual
 starts and takes the earliest, in the first one's place (its key, so that
 nothing parks it for that one). It stops at a job of another level, or
 without a turn (those keep their place), and takes the first itself once its
-key time is ``reach_seconds`` past: no job waits more than three quarters of a
-level's worth past its arrival for turns. The queue never needs rescoring; the
+key time is ``reach_seconds`` past, before the later-keyed jobs of its level
+(so turns hold a job back about three quarters of a level at most; a test
+checks it for a cancelled flood, no test generates the space). The queue never needs rescoring; the
 enqueue reads one hash and one job state more; the claim reads one hash per
 entry compared (lib.lua's fair_start and fair_claimed, claim.lua).
 
