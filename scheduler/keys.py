@@ -141,13 +141,29 @@ class Keys:
         """Hash of the tenants' fair turns (scheduler/fairness.py): each level's
         virtual time (``v|<level>``), each tenant's clock per level
         (``c|<level>|<tenant>``), its usual output tokens and share of
-        max_tokens (``s|<tenant>``, ``f|<tenant>``), and the speed each
-        level's virtual time moves at (``g|<level>``, ``g_at|<level>``).
-        Bound: a clock is dropped by the janitor once it no longer counts; the
-        others are one per level or tenant. (An earlier form of the turns,
-        never released, kept its fields in ``<base>:fair``: the janitor
+        max_tokens (``s|<tenant>``, ``f|<tenant>``). Bound: a clock is dropped
+        by the janitor once it no longer counts (its tenant waits for nothing
+        there and the level's virtual time passed it); the others are one per
+        level or tenant. (Release 0.2.0 also kept ``g|`` and ``g_at|`` fields
+        here, and ``c|`` in another form; the janitor drops them. An earlier
+        form, never released, kept its fields in ``<base>:fair``: the janitor
         deletes that key, :attr:`fair_earlier`.)"""
         return f"{self.base}:turns"
+
+    def turns(self, level: int | str) -> str:
+        """Sorted set of the tenants with jobs waiting at ``level`` that take
+        fair turns, scored by their turn (lib.lua's fair_wait). Bound: one
+        entry per such tenant; a tenant is removed when nothing of it waits
+        there (at its claim or cancel, or when a claim or the janitor finds
+        its queue empty)."""
+        return f"{self.base}:heads:{level}"
+
+    def tenant_queue(self, level: int | str, tenant: str) -> str:
+        """Sorted set of tenant ``tenant``'s jobs waiting at ``level`` that take
+        fair turns, by their queue scores. Bound: its waiting jobs, and those
+        that ended waiting by a way other than a claim or a cancel until a claim
+        or the janitor reaches them."""
+        return f"{self.base}:tq:{level}:{tenant}"
 
     @property
     def fair_earlier(self) -> str:

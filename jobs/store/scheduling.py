@@ -238,10 +238,6 @@ class Store:
         self.model = model
         self.keys: Keys = settings.keys
         self.policy: Policy = settings.policy
-        #: How far behind the first waiting job a claim compares turns, in
-        #: seconds of key (scheduler/fairness.py), and in score.
-        self._reach = fairness.reach_seconds(self.policy.level_seconds)
-        self._reach_score = self.policy.aging_rate * self._reach
         self.preempt_policy: PreemptPolicy = settings.preempt_policy
         self.settings = settings
         self.result_ttl = settings.result_ttl
@@ -431,12 +427,10 @@ class Store:
 
     def _fair_args(self, weight: float) -> list[Any]:
         """The fair turn's arguments of enqueue.lua and feed.lua: the tenant's
-        weight (0 when fair turns are off), the aging rate, the defaults, the
-        most seconds a turn puts a job back."""
+        weight (0 when fair turns are off) and the output tokens a job of a
+        tenant none of whose jobs finished is expected to take."""
         on = self.settings.fair_share and weight > 0
-        return [repr(weight if on else 0.0), repr(self.policy.aging_rate),
-                fairness.DEFAULT_OUTPUT, repr(fairness.DEFAULT_SPEED),
-                repr(fairness.most_seconds(self.policy.level_seconds))]  # fmt: skip
+        return [repr(weight if on else 0.0), fairness.DEFAULT_OUTPUT]
 
     def feed_batch(self, batch_id: str, window: int, score: float, now: float,
                    owner: str = "", per_minute: int = 0, weight: float = 0.0,
@@ -632,7 +626,7 @@ class Store:
             for raw_id, _ in head:
                 p.hmget(self.keys.job(as_text(raw_id)), "state", "ckpt_worker", "parked_at",
                         "model_digest", "run_seconds", "owner", "parks_others",
-                        "max_running", "fair_v", "priority", "fair_start")  # fmt: skip
+                        "max_running", "fair_tokens", "priority")  # fmt: skip
             records = p.execute()
         full: dict[tuple[bytes, int], bool] = {}  # (tenant, cap): at it (read once)
 
@@ -645,9 +639,7 @@ class Store:
             return full[key]
 
         for (_, score), record in zip(head, records, strict=True):
-            state, holder, parked_at, digest, ran, owner, parks, cap, turn, level, due = record
-            if turn is not None and now - float(due or now) > self._reach:
-                turn = None  # overdue: the claim takes it in its own place, whatever the turns
+            state, holder, parked_at, digest, ran, owner, parks, cap, fair, level = record
             if state not in (b"queued", b"parked"):
                 continue  # a stale entry: the job ended or runs
             if mine is not None and digest is not None and digest != mine:
@@ -662,7 +654,6 @@ class Store:
             if bound:
                 held_by = as_text(holder)
                 only = [r for r, proc in zip(runners, procs, strict=True) if proc == held_by]
-                only = self._out_of_turn(turn, level, -float(score), only)
                 if parks == b"batch":
                     only = self._parkable_by(owner or b"", only)
                 if at_cap(owner, cap):
@@ -673,9 +664,7 @@ class Store:
                 if victim is None:
                     continue
                 return victim
-            pool = self._out_of_turn(turn, level, -float(score), runners)
-            if runners and not pool and not idle:
-                continue  # each runner's turn is earlier: the claim would hand it back
+            pool = runners
             if parks == b"batch":  # its tenant leaves other tenants' interactive work be
                 pool = self._parkable_by(owner or b"", pool)
             if at_cap(owner, cap):
@@ -688,31 +677,65 @@ class Store:
                     continue
                 return victim
             victim = choose_victim(self.preempt_policy, -float(score), pool, idle, now)
+            if victim is None and fair is not None and not idle:
+                victim = self._over_share(int(level or 0), runners, now)
             return NO_ONE if victim is None else victim  # the best job anyone may take decides
         return None
 
-    def _out_of_turn(
-        self, turn: bytes | None, level: bytes | None, key: float, runners: list[Runner]
-    ) -> list[Runner]:
-        """Those of ``runners`` a waiting job (its fair ``turn``, ``level`` and
-        ``key``; no turn: overdue, or none taken) may park: not one of its
-        level with an earlier turn whose key is within the claim's reach after
-        its own, which the claim would hand straight back in its place
-        (claim.lua)."""
-        if turn is None or not runners:
-            return runners
+    def _over_share(self, level: int, runners: list[Runner], now: float) -> Runner | None:
+        """The runner to park at ``level`` for the tenant whose fair turn there
+        is the earliest (the one a claim would take: lib.lua), when its tenant
+        runs fewer of the engine's sequences at that level, over its weight,
+        than another tenant would after giving one up (scheduler/fairness.py):
+        that tenant's runner of the lowest key past its minimum run time."""
+        first = self._first_turn(level)
+        if first is None:
+            return None
+        tenant, weight, parks = first
+        rows = self._shares(runners)
+        held: dict[bytes, float] = {}
+        for theirs, their_level, their_weight in rows:
+            if their_level == level and their_weight:
+                held[theirs] = held.get(theirs, 0.0) + 1 / their_weight
+        mine = held.get(tenant, 0.0) + 1 / weight
+        over = [
+            (r, held[theirs])
+            for r, (theirs, their_level, their_weight) in zip(runners, rows, strict=True)
+            if their_level == level and their_weight and theirs != tenant
+            and held[theirs] > mine + 1e-9 and self.preempt_policy.ripe(r.since, now)
+            and (parks != b"batch" or level <= PRIORITY_LEVELS["batch"])
+        ]  # fmt: skip
+        if not over:
+            return None
+        return min(over, key=lambda x: (-x[1], x[0].key, x[0].worker))[0]
+
+    def _first_turn(self, level: int) -> tuple[bytes, float, bytes | None] | None:
+        """The tenant of the earliest fair turn at ``level`` whose first waiting
+        job this deployment may run, its weight and its parks_others; None when
+        none is found among the first LOOK turns."""
+        k = self.keys
+        mine = self.model.digest.encode() if self.model else None
+        for raw in self.r.zrange(k.turns(level), 0, fairness.LOOK - 1):
+            tenant = as_text(raw)
+            first = self.r.zrange(k.tenant_queue(level, tenant), 0, 0)
+            if not first:
+                continue
+            state, digest, weight, parks = self.r.hmget(
+                k.job(as_text(first[0])), "state", "model_digest", "fair_w", "parks_others"
+            )
+            if state not in (b"queued", b"parked") or weight is None:
+                continue  # ended (the claim drops it), or queued without a weight
+            if mine is not None and digest is not None and digest != mine:
+                continue
+            return raw, float(weight), parks
+        return None
+
+    def _shares(self, runners: list[Runner]) -> list[tuple[bytes, int, float]]:
+        """Each runner's job's tenant, level and fair weight (0: none)."""
         with self.r.pipeline(transaction=False) as p:
             for runner in runners:
-                p.hmget(self.keys.job(runner.job_id), "fair_v", "priority")
-            rows = p.execute()
-        mine = float(turn)
-
-        def parkable(r: Runner, theirs: bytes | None, their_level: bytes | None) -> bool:
-            if theirs is None or their_level != level or float(theirs) >= mine:
-                return True  # another level, no turn, or not an earlier one
-            return r.key < key - self._reach_score  # beyond the claim's reach
-
-        return [r for r, row in zip(runners, rows, strict=True) if parkable(r, *row)]
+                p.hmget(self.keys.job(runner.job_id), "owner", "priority", "fair_w")
+            return [(o or b"", int(lv or 0), float(w or 0)) for o, lv, w in p.execute()]
 
     def _owners(self, runners: list[Runner]) -> list[tuple[bytes, int]]:
         """Each runner's job's tenant and priority level."""
@@ -776,12 +799,7 @@ class Store:
                 self.model.device if self.model else "CPU",
                 self._scan_limit,
                 secrets.token_hex(4),
-                fairness.SPEED_CLAIMS,
-                repr(fairness.MIN_SPEED),
                 fairness.LOOK,
-                repr(self._reach_score),
-                repr(fairness.DEFAULT_SPEED),
-                repr(self._reach),
             ],
         )
         if not got:

@@ -10,6 +10,7 @@ if not state then
 end
 if state_set(ARGV[5])[state] then
   redis.call('ZREM', KEYS[2], ARGV[1])
+  fair_unwait(KEYS[1], ARGV[1])
   emit_after(KEYS[1], KEYS[3], ARGV[2], 7)
   redis.call('HSET', KEYS[1], 'finish_reason', 'cancelled')
   end_job(KEYS[1], KEYS[3], S.cancelled, ARGV[3], ARGV[4])

@@ -6,11 +6,7 @@
 --       worker's model ('' for any), the name of the worker's process (its
 --       sequences share the process's checkpoints), the worker's device, the
 --       most queue entries to look at in all, a nonce for the execution token
---       (see lib.lua's token), how many claims the fair speed averages over
---       and its floor and its first guess (lib.lua's fair_claimed), how many
---       queue entries a claim compares by their fair turns and how far behind
---       the first that fits (in score), the default speed, the seconds past
---       its key time after which the first that fits is taken itself
+--       (see lib.lua's token), how many tenants' turns a claim looks at
 -- The queue is read in pages until a job fits: jobs this worker may not take
 -- (another model's, parked jobs left to their holder) never hide the ones
 -- behind them.
@@ -26,8 +22,7 @@
 -- costs about that); then anyone may take it.
 -- A job still recorded on the claiming sequence (its end lost in a failover)
 -- is requeued first.
--- A claimed job moves its level's virtual time of fair turns (lib.lua's
--- fair_claimed).
+-- A claimed job takes its tenant's fair turn (lib.lua's fair_claimed).
 -- A job of a tenant with max_running (its record's `max_running`) is passed
 -- over while that many of the tenant's jobs run (its live set, Keys.live_of).
 -- Returns {id, execution token, the device it moved from or '', the key it runs
@@ -45,6 +40,7 @@ if stale then
     move(old, S.queued)
     redis.call('HINCRBY', old, 'exec', 1)
     redis.call('ZADD', KEYS[1], redis.call('HGET', old, 'score'), stale)
+    fair_wait(old)
   end
 end
 local claimable = state_set(ARGV[4])
@@ -52,7 +48,7 @@ local now = tonumber(ARGV[3])
 local affinity = tonumber(ARGV[5])
 local page = tonumber(ARGV[6])
 local limit = tonumber(ARGV[11])
-local look = tonumber(ARGV[15])
+local look = tonumber(ARGV[13])
 local first = 0
 local live_base = string.match(ARGV[1], '^(.*):job:$')
 local running_states = {[S.running] = true, [S.parking] = true}
@@ -83,77 +79,66 @@ local function fits(id, job, f)
   return true
 end
 
--- The job to take: the first that fits, or, where it took a fair turn, the
--- one of the earliest virtual start (lib.lua's fair_start) among those after
--- it that fit and took fair turns at its level, looking at `look` entries at
--- most, none keyed more than `window` (in score) after it, and none past the
--- first that fits of another level or without a turn (those keep their
--- place); the first that fits is taken itself once its key time is `reach`
--- seconds past (so that no job waits longer). The keys place a job by the
--- speed its level's virtual time was measured at when it was queued; among
--- those in sight the virtual starts decide. The job taken runs in the first
--- one's place (its key: a waiting job that beats it would have beaten that
--- one; no park undoes the choice).
-local window = tonumber(ARGV[16])
-local reach = tonumber(ARGV[18])
-local best, best_v, best_level, head_score
-local after = 0
-local done, overdue = false, false
-while first < limit and not done do
+-- The job to take: the first that fits; where it takes a fair turn, the
+-- first waiting job that fits of the tenant whose turn at its level is the
+-- earliest (lib.lua), looking at the `look` earliest turns (a tenant whose
+-- first waiting job does not fit is passed over; equal turns go by score).
+-- The job taken runs in the first one's place (its key: a waiting job that
+-- beats it would have beaten that one).
+local best, head_score
+while first < limit and not best do
   local top = redis.call('ZRANGE', KEYS[1], first, first + page - 1)
   if #top == 0 then break end
   local removed = 0
   for _, id in ipairs(top) do
-    if best then
-      after = after + 1
-      if after > look or tonumber(redis.call('ZSCORE', KEYS[1], id)) > head_score + window then
-        done = true
-        break
-      end
-    end
     local job = ARGV[1] .. id
-    local f = redis.call('HMGET', job, 'state', 'model_digest', 'max_running', 'owner',
-                         'fair_v', 'priority')
+    local f = redis.call('HMGET', job, 'state', 'model_digest', 'max_running', 'owner')
     if not f[1] or not claimable[f[1]] then
       redis.call('ZREM', KEYS[1], id)  -- stale entry: the job ended meanwhile
       removed = removed + 1
     elseif fits(id, job, f) then
-      local v, level = tonumber(f[5]), f[6] or '0'
-      if not best then
-        best, best_v, best_level = id, v, level
-        head_score = tonumber(redis.call('ZSCORE', KEYS[1], id))
-        if not v then
-          done = true  -- (no turn: its own place)
-          break
-        elseif now - (tonumber(redis.call('HGET', job, 'fair_start') or '') or now) > reach then
-          overdue = true  -- (its key time came `reach` seconds ago: its own place)
-          done = true
-          break
+      best = id
+      break
+    end
+  end
+  if not best then first = first + #top - removed end
+end
+if not best then return false end
+head_score = tonumber(redis.call('ZSCORE', KEYS[1], best))
+
+local id, turn = best, nil
+local base, level, owner = fair_of(ARGV[1] .. best)
+if base and live_base then
+  local heads = base .. ':heads:' .. level
+  turn = tonumber(redis.call('ZSCORE', heads, owner)) or fair_turn(base, level, owner)
+  local pick_score = head_score
+  local rows = redis.call('ZRANGE', heads, 0, look - 1, 'WITHSCORES')
+  for i = 1, #rows, 2 do
+    local tenant, t = rows[i], tonumber(rows[i + 1])
+    if t > turn then break end  -- (in order of turns: none after is earlier)
+    if tenant ~= owner then
+      local tq = base .. ':tq:' .. level .. ':' .. tenant
+      local other, empty = fair_first(tq, KEYS[1], ARGV[1], claimable, look)
+      if empty then
+        redis.call('ZREM', heads, tenant)
+      elseif other then
+        local job = ARGV[1] .. other
+        local f = redis.call('HMGET', job, 'state', 'model_digest', 'max_running', 'owner')
+        local score = tonumber(redis.call('ZSCORE', KEYS[1], other))
+        if fits(other, job, f) and (t < turn or score < pick_score) then
+          id, turn, pick_score = other, t, score
         end
-      elseif not v or level ~= best_level then
-        done = true
-        break
-      elseif v < best_v then
-        best, best_v = id, v
       end
     end
   end
-  if done then break end
-  first = first + #top - removed
 end
-if not best then return false end
 
-local id = best
 local job = ARGV[1] .. id
 redis.call('ZREM', KEYS[1], id)
 redis.call('HINCRBY', job, 'exec', 1)
 redis.call('HSET', job, 'nonce', ARGV[12])
 local exec = token(job)
-if live_base then
-  fair_claimed(live_base .. ':turns', job, now, redis.call('ZCARD', KEYS[1]) > 0,
-               tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[17]), overdue,
-               2 * reach)
-end
+if live_base then fair_claimed(job, id, turn) end
 move(job, S.running)
 redis.call('HSET', job, 'worker', ARGV[2], 'resumed_at', ARGV[3])
 redis.call('HSETNX', job, 'started_at', ARGV[3])

@@ -6,14 +6,14 @@
 -- output tokens) waits at the head of the batch, and the lines behind it too.
 -- Such a batch is noted in the waiting set, scored by when its line will fit
 -- (the janitor feeds it then: no line of it may be running to do so).
--- Each line queued takes its tenant's fair turn (lib.lua's fair_start).
+-- Each line queued takes its tenant's fair turns (lib.lua).
 -- A line of a tenant with caps is listed in the tenant's live set.
 -- KEYS: batch hash, pending list, live set, queue zset, wake list, the tenant's
 --       token bucket, the waiting set, the fair hash, the tenant's live set
 -- ARGV: now, job key prefix, window, score for now, live states (csv), pending
 --       prefix, the tenant's tokens per minute (0: no limit), the tenant's
---       weight (0: no fair turn), aging rate, default output tokens, default
---       speed, the fair turn's most seconds, '1' when the tenant has caps
+--       weight (0: no fair turn), default output tokens, '1' when the tenant
+--       has caps
 if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress'
     or redis.call('HEXISTS', KEYS[1], 'expired_at') == 1 then  -- (past its window)
   return 0
@@ -45,19 +45,16 @@ while n < window do
   redis.call('LPOP', KEYS[2])
   local job = ARGV[2] .. id
   redis.call('RENAME', ARGV[6] .. id, job)
-  local now = tonumber(ARGV[1])
-  local start = now
+  redis.call('HSET', job, 'created_at', ARGV[1], 'enqueued_at', ARGV[1], 'score', ARGV[4])
+  redis.call('ZADD', KEYS[4], ARGV[4], id)
   if KEYS[8] then
-    start = fair_start(KEYS[8], job, now, tonumber(ARGV[8]), tonumber(ARGV[10]),
-                       tonumber(ARGV[11]), tonumber(ARGV[12]))
+    fair_expect(KEYS[8], job, tonumber(ARGV[8]) or 0, tonumber(ARGV[9]) or 0)
+    fair_wait(job)
   end
-  local score = fair_score(ARGV[4], ARGV[9] or '0', start, now)
-  redis.call('HSET', job, 'created_at', ARGV[1], 'enqueued_at', ARGV[1], 'score', score)
-  redis.call('ZADD', KEYS[4], score, id)
   redis.call('LPUSH', KEYS[5], id)
   redis.call('LTRIM', KEYS[5], 0, 63)
   redis.call('SADD', KEYS[3], id)
-  if ARGV[13] == '1' and KEYS[9] then redis.call('SADD', KEYS[9], id) end
+  if ARGV[10] == '1' and KEYS[9] then redis.call('SADD', KEYS[9], id) end
   n = n + 1
   fed = fed + 1
 end

@@ -137,130 +137,122 @@ local function count_usage(hour, counters, job, what, n, ttl)
 end
 
 -- Fair turns between tenants at one priority level (scheduler/fairness.py):
--- start-time fair queueing. Each level has a virtual time (field `v|<level>`
--- of the fair hash, in tokens per unit of weight: the virtual start of the
--- last job claimed there, set by claim.lua), each tenant a clock per level
--- (`c|<level>|<tenant>`: '<virtual finish of its last job> <that job's key
--- time> <its id>'). A job starts at the later of the level's virtual time
--- and its tenant's clock (a tenant whose jobs ran while others waited is
--- behind by what they took; one whose last job there was cancelled before it
--- ran takes that job's start), and moves the clock on by what it is expected to take (its
--- prompt and an output as fair_output's averages expect, at most its
--- max_tokens) over the tenant's weight. It waits as if it
--- had arrived as long after now as the level's virtual time takes to reach
--- its start, at the speed claims moved it lately (field `g|<level>`, measured
--- by fair_claimed; `default_speed` before), at most `cap` seconds (half a
--- level's worth) and never before now, and never before its tenant's last
--- job there while that one waits or was cancelled (a tenant's jobs keep their
--- order; one claimed was the last of them to wait). Weight 0: no fair turn (it
--- waits from now). Returns the key time (the score is a job of its level
--- arriving then).
-local function fair_start(fair, job, now, weight, default_out, default_speed, cap)
-  if weight <= 0 then return now end
+-- start-time fair queueing over each tenant's own queue. The fair hash
+-- (`turns`, Keys.fair) holds each level's virtual time (`v|<level>`, in
+-- tokens per unit of weight: the turn of the last job claimed there) and each
+-- tenant's clock there (`c|<level>|<tenant>`: the turn its last claimed job
+-- ended at). A tenant's jobs waiting at a level are listed in its own queue
+-- (`<base>:tq:<level>:<tenant>`, by their scores: a parked one keeps its
+-- place), and a tenant with jobs there in the level's turns
+-- (`<base>:heads:<level>`, tenant -> its turn): the later of the level's
+-- virtual time and its clock, set when it comes to wait and again after each
+-- claim of its. The claim takes the job of the earliest turn that fits
+-- (claim.lua). A job's score is its own (scheduler/policy.py): turns decide
+-- only among the jobs of a level, in the place of its first.
+
+-- The keys of a job's fair turn: its base, level and tenant, or nil when it
+-- takes none (no `fair_tokens`).
+local function fair_of(job)
+  local base = string.match(job, '^(.-):job:')
+  local f = redis.call('HMGET', job, 'fair_tokens', 'priority', 'owner')
+  if not base or not f[1] then return nil end
+  return base, f[2] or '0', f[3] or ''
+end
+
+-- A tenant's turn at a level now: the later of the level's virtual time and its clock.
+local function fair_turn(base, level, owner)
+  local got = redis.call('HMGET', base .. ':turns', 'v|' .. level, 'c|' .. level .. '|' .. owner)
+  local v = tonumber(got[1]) or 0
+  return math.max(v, tonumber(got[2]) or v), v
+end
+
+-- What a job's turn is expected to take, over its tenant's weight (`fair_tokens`):
+-- its prompt and the larger of its tenant's usual output and its tenant's usual
+-- share of max_tokens times its own, at most its max_tokens (fair_output keeps
+-- the averages; `default_out` before any). Weight 0: no fair turn.
+local function fair_expect(fair, job, weight, default_out)
+  if weight <= 0 then return end
   local owner = redis.call('HGET', job, 'owner') or ''
-  local level = redis.call('HGET', job, 'priority') or '0'
-  local field = 'c|' .. level .. '|' .. owner
-  local got = redis.call('HMGET', fair, field, 's|' .. owner, 'g|' .. level, 'f|' .. owner,
-                         'v|' .. level)
-  local v = tonumber(got[5])
-  if not v then
-    v = 0  -- (the level's first turn: any origin will do, only differences count)
-    redis.call('HSET', fair, 'v|' .. level, '0')
-  end
-  local start, floor = v, nil
-  if got[1] then
-    local f, key, last = string.match(got[1], '^(%S+) (%S+) (.*)$')
-    if f and last then
-      start = math.max(v, tonumber(f) or v)
-      local was = redis.call('HMGET', string.match(job, '^(.-:job:)') .. last, 'state', 'fair_v',
-                             'started_at')
-      if was[1] == S.queued or was[1] == S.parked then
-        floor = tonumber(key)
-      elseif was[1] == S.cancelled then
-        -- (its earlier jobs may still wait: not before them; one cancelled
-        -- before it ever ran hands its turn on, one that ran is charged)
-        if not was[3] then start = math.max(v, tonumber(was[2]) or v) end
-        floor = tonumber(key)
-      end
-    end
-  end
-  local out = tonumber(got[2]) or default_out
-  local speed = tonumber(got[3]) or default_speed
-  if speed <= 0 then speed = default_speed end
+  local got = redis.call('HMGET', fair, 's|' .. owner, 'f|' .. owner)
+  local out = tonumber(got[1]) or default_out
   local most = tonumber(redis.call('HGET', job, 'max_out') or '') or 0
   if most > 0 then
-    -- The larger of its usual output and its usual share of max_tokens, at
-    -- most max_tokens: a tenant whose jobs fill their max_tokens is expected to
-    -- fill a larger one too.
-    out = math.min(math.max(out, (tonumber(got[4]) or 1) * most), most)
+    out = math.min(math.max(out, (tonumber(got[2]) or 1) * most), most)
   end
   local prompt = tonumber(redis.call('HGET', job, 'prompt_n') or '0') or 0
   local tokens = math.min((prompt + math.max(1, out)) / weight, 1e12)  -- (finite)
-  local at = now + math.min(math.max(start - v, 0) / speed, cap)
-  if floor and at <= floor then at = floor + 0.001 end  -- (its own order kept)
-  redis.call('HSET', fair, field, string.format('%.17g', start + tokens) .. ' '
-             .. string.format('%.17g', at) .. ' ' .. redis.call('HGET', job, 'id'))
-  redis.call('HSET', job, 'fair_start', string.format('%.17g', at),
-             'fair_v', string.format('%.17g', start), 'fair_tokens', string.format('%.17g', tokens))
-  return at
+  redis.call('HSET', job, 'fair_tokens', string.format('%.17g', tokens), 'fair_w',
+             string.format('%.17g', weight))
 end
 
--- A claimed job moves its level's virtual time to its own virtual start
--- (fair_start): a turn taken there starts no earlier. The speed virtual time
--- moves at (field `g|<level>`) is how far it moved over how long, each an
--- average over about the last `claims` claims at the level that followed a
--- claim there which left other jobs waiting (`busy`: no idle spell counts),
--- starting from `guess` per second (field `g_at|<level>`: '<the last claim's
--- time> <moved> <seconds> <1 if it was busy>'). A parked job claimed again
--- does not move it. A job taken out of turn (`overdue`, or its start farther
--- ahead than a key can show: `cap` seconds at the speed so far) moves it only
--- as far as the speed carries it since the last claim, and is not counted in
--- the speed: its turn is a jump (a backlog past half a level), which would
--- wipe out every other tenant's place and, as speed, flatten every later key.
-local function fair_claimed(fair, job, now, busy, claims, min_speed, guess, overdue, cap)
-  local got = redis.call('HMGET', job, 'fair_v', 'priority')
-  local fv = tonumber(got[1])
-  if not fv then return end
-  local level = got[2] or '0'
-  local r = redis.call('HMGET', fair, 'v|' .. level, 'g_at|' .. level, 'g|' .. level)
-  local cur = tonumber(r[1])
-  local speed = tonumber(r[3]) or guess
-  local at, dv, dt, was_busy = string.match(r[2] or '', '^(%S+) (%S+) (%S+) (%S+)$')
-  at, dv, dt = tonumber(at), tonumber(dv), tonumber(dt)
-  local out_of_turn = overdue or (cur ~= nil and fv - cur > speed * cap)
-  local moved = 0
-  if not cur or fv > cur then
-    local to = fv
-    if cur and out_of_turn then
-      to = math.min(fv, cur + speed * math.max(0, now - (at or now)))
-    end
-    if not cur or to > cur then
-      redis.call('HSET', fair, 'v|' .. level, string.format('%.17g', to))
-      if cur then moved = to - cur end
-    end
+-- A job comes to wait (queued, parked or requeued): listed in its tenant's
+-- queue at its level by its score, and the tenant in the level's turns if it
+-- was not (at its turn now).
+local function fair_wait(job)
+  local base, level, owner = fair_of(job)
+  if not base then return end
+  local f = redis.call('HMGET', job, 'score', 'id')
+  redis.call('ZADD', base .. ':tq:' .. level .. ':' .. owner, f[1], f[2])
+  local heads = base .. ':heads:' .. level
+  if not redis.call('ZSCORE', heads, owner) then
+    redis.call('HSETNX', base .. ':turns', 'v|' .. level, '0')  -- (the janitor reads the levels)
+    redis.call('ZADD', heads, string.format('%.17g', fair_turn(base, level, owner)), owner)
   end
-  if not (dv and dt and dt > 0) then
-    dv, dt = guess, 1  -- (a first guess that the first claims only move a little)
-  end
-  if at and was_busy == '1' and not out_of_turn then
-    local a = 1 / claims
-    dv, dt = dv + a * (moved - dv), dt + a * (math.max(0, now - at) - dt)
-    if dt > 0 then
-      redis.call('HSET', fair, 'g|' .. level,
-                 string.format('%.17g', math.max(dv / dt, min_speed)))
-    end
-  end
-  redis.call('HSET', fair, 'g_at|' .. level, string.format('%.17g', now) .. ' '
-             .. string.format('%.17g', dv) .. ' ' .. string.format('%.17g', dt) .. ' '
-             .. (busy and '1' or '0'))
 end
 
--- The score of a job of the level whose score now is `score_now` (a string)
--- arriving at `start` instead, as a string (of full precision: Lua's own
--- number-to-string conversion keeps 14 digits, a tenth of a millisecond).
-local function fair_score(score_now, aging, start, now)
-  if start == now then return score_now end
-  return string.format('%.17g', tonumber(score_now) + tonumber(aging) * (start - now))
+-- A job stops waiting (claimed or cancelled): off its tenant's queue, and the
+-- tenant off the level's turns when nothing of it waits there.
+local function fair_unwait(job, id)
+  local base, level, owner = fair_of(job)
+  if not base then return end
+  local tq = base .. ':tq:' .. level .. ':' .. owner
+  redis.call('ZREM', tq, id)
+  if redis.call('ZCARD', tq) == 0 then
+    redis.call('ZREM', base .. ':heads:' .. level, owner)
+  end
+end
+
+-- A claimed job took its tenant's turn `turn` (nil: the tenant's turn now):
+-- the level's virtual time moves on to it; on the job's first claim, its
+-- tenant's clock moves to its turn plus what the job is expected to take (a
+-- parked job claimed again was charged); the tenant's turn is set again if
+-- it has more waiting.
+local function fair_claimed(job, id, turn)
+  local base, level, owner = fair_of(job)
+  if not base then return end
+  local now_turn, v = fair_turn(base, level, owner)
+  turn = turn or now_turn
+  local fair = base .. ':turns'
+  if turn > v then
+    v = turn
+    redis.call('HSET', fair, 'v|' .. level, string.format('%.17g', v))
+  end
+  if redis.call('HSETNX', job, 'fair_v', string.format('%.17g', turn)) == 1 then
+    local tokens = tonumber(redis.call('HGET', job, 'fair_tokens')) or 0
+    redis.call('HSET', fair, 'c|' .. level .. '|' .. owner, string.format('%.17g', turn + tokens))
+  end
+  fair_unwait(job, id)
+  local heads = base .. ':heads:' .. level
+  if redis.call('ZSCORE', heads, owner) then
+    redis.call('ZADD', heads, string.format('%.17g', fair_turn(base, level, owner)), owner)
+  end
+end
+
+-- The first job still waiting in a tenant's queue, dropping at most `budget`
+-- entries of jobs that no longer wait (their state not in `waiting`, or off
+-- the queue `queue`); nil when none is found, and whether the queue is empty.
+local function fair_first(tq, queue, job_prefix, waiting, budget)
+  for _ = 0, budget do
+    local top = redis.call('ZRANGE', tq, 0, 0)
+    if #top == 0 then return nil, true end
+    local id = top[1]
+    if waiting[redis.call('HGET', job_prefix .. id, 'state') or '']
+        and redis.call('ZSCORE', queue, id) then
+      return id, false
+    end
+    redis.call('ZREM', tq, id)
+  end
+  return nil, false
 end
 
 -- A finished job's output tokens move its tenant's usual output and its
@@ -269,7 +261,7 @@ end
 local function fair_output(fair, job, completion)
   if not fair or not completion then return end
   local owner = redis.call('HGET', job, 'owner')
-  if not owner or owner == '' or not redis.call('HGET', job, 'fair_v') then
+  if not owner or owner == '' or not redis.call('HGET', job, 'fair_tokens') then
     return  -- (no tenant, or no fair turn: nothing expects it)
   end
   local most = tonumber(redis.call('HGET', job, 'max_out') or '') or 0

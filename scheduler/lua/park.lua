@@ -50,6 +50,7 @@ else
 end
 redis.call('HINCRBY', KEYS[1], 'preemptions', 1)
 redis.call('ZADD', KEYS[2], redis.call('HGET', KEYS[1], 'score'), id)
+fair_wait(KEYS[1])  -- (its tenant's turn: lib.lua)
 redis.call('LPUSH', KEYS[5], id)
 redis.call('LTRIM', KEYS[5], 0, 63)
 return S.parked

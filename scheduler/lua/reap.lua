@@ -47,6 +47,7 @@ for _, w in ipairs(dead) do
         move(job, S.queued)
         redis.call('HINCRBY', job, 'exec', 1)  -- fence the dead execution
         redis.call('ZADD', KEYS[2], redis.call('HGET', job, 'score'), id)
+        fair_wait(job)  -- (its tenant's turn: lib.lua)
         redis.call('LPUSH', KEYS[4], id)
         outcome = 'requeued'
       end

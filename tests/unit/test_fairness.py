@@ -10,12 +10,11 @@ from collections import Counter
 
 import fakeredis
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from jobs.store.scheduling import Store
-from scheduler import fairness
 from scheduler.settings import Settings
 from scheduler.state import JobState
 from tests.fakes import FakeVocab
@@ -51,9 +50,7 @@ def test_a_tenants_flood_does_not_hold_back_another_tenants_one_request(store: S
         _put(store, f"a{i}", "alpha", T0 + i * 0.001)
     _put(store, "b0", "beta", T0 + 1.0)
     order = _claims(store, 51, T0 + 2)
-    # Each of alpha's jobs is expected to take 110 tokens at the default 50
-    # tokens per second: alpha's second job is due 2.2 s after its first, so
-    # beta's request, a second after alpha's flood, runs second of 51.
+    # beta's turn comes right after alpha's first: second of 51.
     assert order.index("b0") == 1
     # alpha's own jobs keep their order.
     assert [j for j in order if j.startswith("a")] == [f"a{i}" for i in range(50)]
@@ -82,16 +79,20 @@ def test_a_tenant_whose_flood_has_run_starts_afresh(store: Store) -> None:
     assert _claims(store, 3, T0 + 4, by="v") == ["b0", "a-next", "b1"]
 
 
-def test_a_cancelled_flood_puts_the_next_job_back_by_half_a_level_at_most(store: Store) -> None:
+def test_a_cancelled_flood_is_not_charged(store: Store) -> None:
+    """alpha queues 50 and cancels them, then beta queues 10 and alpha one
+    more: alpha's is not behind its cancelled jobs' turns (none of them ran)."""
     for i in range(50):
         _put(store, f"a{i}", "alpha", T0)
     for i in range(50):
         store.cancel(f"a{i}", T0 + 1)
-    _put(store, "a-next", "alpha", T0 + 2)
-    # It comes after its cancelled jobs' turns (its earlier jobs might still have
-    # waited), and those reach half a level's worth at most.
-    start = float(store.r.hget(store.keys.job("a-next"), "fair_start") or 0)
-    assert T0 + 2 < start <= T0 + 2 + fairness.most_seconds(store.policy.level_seconds) + 0.001
+    for i in range(10):
+        _put(store, f"b{i}", "beta", T0 + 2)
+    _put(store, "a-next", "alpha", T0 + 3)
+    assert _claims(store, 11, T0 + 4).index("a-next") <= 1
+    # Nothing of alpha's is left listed.
+    assert not store.r.exists(store.keys.tenant_queue(0, "alpha"))
+    assert store.r.zrange(store.keys.turns(0), 0, -1) == []
 
 
 def test_weights_two_to_one_take_turns_two_to_one(store: Store) -> None:
@@ -141,19 +142,16 @@ def test_no_tenant_or_no_weight_scores_as_before(store: Store, owner: str, weigh
     assert store.r.hlen(store.keys.fair) == 0
 
 
-def test_a_tenant_with_nothing_waiting_waits_from_its_arrival(store: Store) -> None:
-    _put(store, "a0", "alpha", T0)
-    _put(store, "b0", "beta", T0 + 5.0)
-    # Nothing was claimed in between: the level's virtual time is still a0's
-    # start, where b0 takes its turn; it waits from its arrival, not put
-    # forward to a0's (virtual time need not keep up with real time).
-    raw = store.r.hget(store.keys.job("b0"), "score")
-    assert raw is not None and float(raw) == store.policy.score(0, T0 + 5.0)
-    # The same long after.
-    cap = fairness.most_seconds(store.policy.level_seconds)
-    _put(store, "c0", "gamma", T0 + 5.0 + cap + 1)
-    raw = store.r.hget(store.keys.job("c0"), "score")
-    assert raw is not None and float(raw) == store.policy.score(0, T0 + 5.0 + cap + 1)
+def test_turns_leave_each_jobs_score_its_own(store: Store) -> None:
+    """Turns decide among the jobs of a level at the claim: a job's score is its
+    level's and arrival's (what orders levels and preemption) however far
+    behind its tenant is."""
+    for i in range(30):
+        _put(store, f"a{i}", "alpha", T0 + i * 0.01)
+    _put(store, "b0", "beta", T0 + 5.0, level=1)
+    for job_id, at, level in (("a29", T0 + 0.29, 0), ("b0", T0 + 5.0, 1)):
+        raw = store.r.hget(store.keys.job(job_id), "score")
+        assert raw is not None and raw.decode() == repr(store.policy.score(level, at))
 
 
 def test_a_level_whose_virtual_time_lags_puts_no_job_before_a_higher_levels(
@@ -183,11 +181,9 @@ def test_a_finished_jobs_output_becomes_the_tenants_usual_output(store: Store) -
     usage = json.dumps({"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30})
     store.finish("a0", claim.exec_token, "w0", JobState.FINISHED, {"usage": usage}, 0, [], T0)
     assert float(store.r.hget(store.keys.fair, "s|alpha") or 0) == 20.0
-    # The next two jobs are expected to take 10 + 20 tokens each (not 10 + 256).
+    # The next job is expected to take 10 + 20 tokens (not 10 + 256).
     _put(store, "a1", "alpha", T0 + 1, max_tokens=1000)
-    _put(store, "a2", "alpha", T0 + 1, max_tokens=1000)
-    starts = [float(store.r.hget(store.keys.job(j), "fair_start") or 0) for j in ("a1", "a2")]
-    assert starts[1] - starts[0] == pytest.approx(30 / fairness.DEFAULT_SPEED)
+    assert float(store.r.hget(store.keys.job("a1"), "fair_tokens") or 0) == 30.0
 
 
 def test_batch_lines_take_their_tenants_turns(store: Store) -> None:
@@ -247,43 +243,31 @@ def test_batches_take_turns_however_fast_their_lines_run(
     assert small[-1] - small[0] + 1 - 20 <= 20 + 2, small
 
 
-def test_claims_measure_the_speed_and_the_janitor_drops_clocks_that_no_longer_count(
+def test_the_janitor_drops_what_no_longer_counts(
     fake_redis: fakeredis.FakeRedis, settings: Settings
 ) -> None:
     app = create_app(settings, vocab=FakeVocab(), client=fake_redis)
     store: Store = app.extensions["parkq"].store
     k = store.keys
     now = time.time()
-    # alpha floods (110 expected tokens each: its clock moves 110 a job), and
-    # its jobs are claimed 0.5 s apart while others wait: the level's virtual
-    # time moves 220 tokens a second.
-    for i in range(62):
-        _put(store, f"a{i}", "alpha", now - 41)
-    for i in range(60):
-        claim = store.claim(f"w{i}", now - 40 + 0.5 * i)
-        assert claim is not None
-    assert float(fake_redis.hget(k.fair, "g|0") or 0) == pytest.approx(220.0, rel=0.05)
-    # The next claim, half a second later, empties the queue; the one after
-    # it, long after, follows a claim that left nothing waiting (the engine
-    # may have been idle): it does not count.
-    store.cancel("a61", now)
-    assert store.claim("w-last", now - 10) is not None
-    speed = float(fake_redis.hget(k.fair, "g|0") or 0)
-    assert speed == pytest.approx(220.0, rel=0.05)
-    _put(store, "a-later", "alpha", now + 100)
-    _put(store, "a-later2", "alpha", now + 100)
-    assert store.claim("w-later", now + 100) is not None
-    assert float(fake_redis.hget(k.fair, "g|0") or 0) == speed
+    for i in range(3):
+        _put(store, f"a{i}", "alpha", now)
     _put(store, "b0", "beta", now)
-    # gamma's clock names a job that runs (a0), its key long past.
-    fake_redis.hset(k.fair, "c|0|gamma", f"{now - 5} {now - 10} a0")
+    assert _claims(store, 2, now) == ["a0", "b0"]
+    # gamma ran long ago (its clock is behind the level's virtual time) and
+    # waits for nothing; a job of delta's ended waiting without a claim or a
+    # cancel (its record expired): delta's queue names it alone.
+    fake_redis.hset(k.fair, "c|0|gamma", "-5")
+    _put(store, "d0", "delta", now)
+    fake_redis.delete(k.job("d0"))
+    fake_redis.hset(k.fair, mapping={"g|0": "50", "g_at|0": "1 2 3 1", "c|0|old": "1 2 a0"})
     fake_redis.hset(k.fair_earlier, mapping={"rate": "50", "v|0": str(now)})  # a dev build's
     Janitor(app)._fair()
     fields = {f.decode() for f in fake_redis.hkeys(k.fair)}
-    # gamma's no longer counts; beta's job and alpha's last one wait.
-    assert "c|0|gamma" not in fields and not fake_redis.exists(k.fair_earlier)
-    assert {"v|0", "g|0", "g_at|0"} <= fields
-    assert "c|0|beta" in fields and "c|0|alpha" in fields
+    assert fields == {"v|0", "c|0|alpha", "c|0|beta"}  # alpha waits; beta's is ahead
+    assert not fake_redis.exists(k.fair_earlier)
+    assert fake_redis.zrange(k.turns(0), 0, -1) == [b"alpha"]
+    assert not fake_redis.exists(k.tenant_queue(0, "delta"))
 
 
 @hsettings(max_examples=80, deadline=None)
@@ -295,51 +279,94 @@ def test_claims_measure_the_speed_and_the_janitor_drops_clocks_that_no_longer_co
             st.integers(1, 400),
             st.sampled_from([0, 1, 10]),
             st.integers(0, 2),
+            st.booleans(),
         ),
         min_size=1,
         max_size=40,
     ),
     weights=st.tuples(*[st.sampled_from([0.5, 1.0, 3.0])] * 3),
 )
-def test_any_arrivals_and_claims_keep_each_tenants_order_and_the_levels(
-    arrivals: list[tuple[str, float, int, int, int]], weights: tuple[float, float, float]
+@example(arrivals=[("a", 0.0, 100, 0, 0, False)] * 5 + [("b", 1.0, 100, 0, 0, False)],
+         weights=(1.0, 1.0, 1.0))  # fmt: skip
+def test_any_arrivals_claims_and_cancels_keep_the_levels_each_tenants_order_and_its_share(
+    arrivals: list[tuple[str, float, int, int, int, bool]], weights: tuple[float, float, float]
 ) -> None:
-    """Jobs of three tenants arrive at levels 0, 1 and 10, and claims come
-    between them: no job is put forward of its arrival, nor back by more than
-    half a level; a job of a higher level that arrived less than its levels'
-    difference less half a level after another runs first; each tenant's jobs
-    at a level keep their order; none is lost."""
+    """Jobs of three tenants arrive at levels 0, 1 and 10, and claims and
+    cancels come between them:
+    - a job of a higher level that arrived less than its levels' difference
+      (in level_seconds) after another runs first;
+    - each tenant's jobs at a level keep their order, and none is lost;
+    - while two tenants both have jobs waiting at a level, the expected tokens
+      over weight claimed for one never lead the other's by more than their
+      largest jobs' (start-time fair queueing's bound)."""
     store = Store(fakeredis.FakeRedis(), Settings(redis_url="redis://fake", n_ctx=0))
     weight = dict(zip("abc", weights, strict=True))
     level_seconds = store.policy.level_seconds
-    cap = fairness.most_seconds(level_seconds)
     at = T0
     sent: dict[tuple[str, int], list[str]] = {}
-    waiting: dict[str, tuple[float, int]] = {}
+    waiting: dict[str, tuple[float, int, str]] = {}
     order: list[str] = []
+    cancelled: set[str] = set()
+    # (level, tenant, other): what the tenant was charged beyond the other
+    # since both last had jobs waiting there; each tenant's largest charge.
+    lead: dict[tuple[int, str, str], float] = {}
+    largest: dict[str, float] = dict.fromkeys("abc", 0.0)
 
     def claim(n: int) -> None:
         for claimed in _claims(store, n, at, by=f"w{len(order)}-"):
-            arrived, level = waiting.pop(claimed)
-            ahead = {j: (lv - level) * level_seconds - cap - 0.1 for j, (a, lv) in waiting.items()}
-            passed = [j for j, (a, lv) in waiting.items() if lv > level and a - arrived < ahead[j]]
+            arrived, level, owner = waiting.pop(claimed)
+            passed = [
+                j for j, (a, lv, _) in waiting.items()
+                if lv > level and a - arrived < (lv - level) * level_seconds
+            ]  # fmt: skip
             assert not passed, (claimed, passed)
+            charge = float(store.r.hget(store.keys.job(claimed), "fair_tokens") or 0)
+            for other in "abc":
+                key = (level, owner, other)
+                if other != owner and key in lead:
+                    lead[key] += charge
+                    lead[(level, other, owner)] -= charge
+                    assert lead[key] <= largest[owner] + largest[other] + 1e-6, (claimed, lead)
             order.append(claimed)
+            backlogged()
 
-    for i, (owner, gap, tokens, level, claims) in enumerate(arrivals):
+    def backlogged() -> None:
+        """Start counting for the pairs that both have jobs waiting at a level,
+        stop for those that do not."""
+        here = {(lv, o) for _, lv, o in waiting.values()}
+        for x in "abc":
+            for y in "abc":
+                for level in (0, 1, 10):
+                    both = x != y and (level, x) in here and (level, y) in here
+                    if not both:
+                        lead.pop((level, x, y), None)
+                    elif (level, x, y) not in lead:
+                        lead[(level, x, y)] = 0.0
+
+    for i, (owner, gap, tokens, level, claims, cancel) in enumerate(arrivals):
         at += gap
         job_id = f"{owner}{i}"
         _put(store, job_id, owner, at, weight=weight[owner], level=level, max_tokens=tokens)
+        charge = float(store.r.hget(store.keys.job(job_id), "fair_tokens") or 0)
+        largest[owner] = max(largest[owner], charge)
         sent.setdefault((owner, level), []).append(job_id)
-        waiting[job_id] = (at, level)
-        start = float(store.r.hget(store.keys.job(job_id), "fair_start") or 0)
-        assert at <= start <= at + cap + 0.001 * i
+        waiting[job_id] = (at, level, owner)
+        backlogged()
         claim(claims)
+        if cancel and waiting:
+            victim = min(waiting)
+            store.cancel(victim, at)
+            cancelled.add(victim)
+            waiting.pop(victim)
+            backlogged()
     at += 1
     claim(len(arrivals) + 1)
-    assert sorted(order) == sorted(j for ids in sent.values() for j in ids)
+    assert sorted(order) == sorted(j for ids in sent.values() for j in ids if j not in cancelled)
     for ids in sent.values():
-        assert [j for j in order if j in set(ids)] == ids
+        assert [j for j in order if j in set(ids)] == [j for j in ids if j not in cancelled]
+    assert store.r.zcard(store.keys.queue) == 0
+    for level in (0, 1, 10):
+        assert store.r.zcard(store.keys.turns(level)) == 0
 
 
 def _runs(store: Store, job_id: str, owner: str, level: int, worker: str, at: float) -> None:
@@ -395,8 +422,10 @@ def test_a_tenant_that_used_an_idle_engine_owes_nothing_for_it(store: Store) -> 
     for step in range(500):
         at += 1
         claim_one(f"w{step}")
-    last = float(store.r.hget(store.keys.job(f"a{n - 1}"), "fair_start") or 0)
-    assert last - at <= fairness.most_seconds(store.policy.level_seconds)
+    # The level's virtual time moved with alpha's claims: alpha's turn is one
+    # job ahead of it, not 500.
+    turns = store.r.hgetall(store.keys.fair)
+    assert float(turns[b"c|10|alpha"]) - float(turns[b"v|10"]) <= 110
     _put(store, "gamma-batch", "gamma", at, level=0)
     for i in range(300):
         _put(store, f"b{i}", "beta", at, level=10)
@@ -448,25 +477,6 @@ def test_tenants_that_send_one_request_at_a_time_do_not_starve_a_backlog(store: 
     assert [j for j in order if j.startswith("a")] == [f"a{i}" for i in range(5)]
 
 
-def test_a_tenant_that_cancelled_a_flood_waits_a_level_at_most(store: Store) -> None:
-    """alpha queues 200 and cancels them: its next job is charged for them, so
-    beta's backlog goes first, but no longer than its key (half a level at
-    most) and the claim's reach (a quarter) allow."""
-    for i in range(200):
-        _put(store, f"a{i}", "alpha", T0)
-    for i in range(200):
-        store.cancel(f"a{i}", T0 + 1)
-    _put(store, "a-next", "alpha", T0 + 2)
-    for i in range(400):
-        _put(store, f"b{i}", "beta", T0 + 3)
-    level = store.policy.level_seconds
-    bound = T0 + 2 + fairness.most_seconds(level) + fairness.reach_seconds(level) + 1
-    now = T0 + 3
-    while _serve(store, now, 1.0) != "a-next":
-        now += 1.0
-        assert now <= bound
-
-
 def test_a_job_taken_in_anothers_place_is_not_parked_for_it(store: Store) -> None:
     """a1's key is before b0's, but b0's turn is earlier: the claim takes b0
     in a1's place, and a1 waiting does not park it (no claim-park-claim loop)."""
@@ -483,43 +493,23 @@ def test_a_job_taken_in_anothers_place_is_not_parked_for_it(store: Store) -> Non
     assert store.maybe_preempt(T0 + 6) is None
 
 
-def test_a_burst_of_claims_an_instant_apart_does_not_set_the_speed(store: Store) -> None:
-    """Two sequences claim 1 ms apart while a third job waits: the speed moves
-    from its first guess a little, not to 100,000 tokens a second, so a
-    later flood's jobs are still spread over the turns' reach."""
-    for i in range(3):
-        _put(store, f"a{i}", "alpha", T0)
-    store.claim("w1", T0 + 1)
-    store.claim("w2", T0 + 1.001)
-    speed = float(store.r.hget(store.keys.fair, "g|0") or fairness.DEFAULT_SPEED)
-    assert speed < 3 * fairness.DEFAULT_SPEED
-    for i in range(100):
-        _put(store, f"f{i}", "flood", T0 + 60)
-    last = float(store.r.hget(store.keys.job("f99"), "fair_start") or 0)
-    assert last - (T0 + 60) >= fairness.most_seconds(store.policy.level_seconds) - 1
-
-
-def test_a_job_taken_out_of_turn_does_not_move_virtual_time(store: Store) -> None:
-    """A weight-0.001 tenant's second job is far ahead in turns and is taken
-    once its key time is a quarter level past: the level's virtual time (and
-    so every other tenant's lead, and the measured speed) stays where turns
-    put it. An hour later a flood is still spread over its turns: a tenant's
-    one request a second after it runs second."""
-    for i in range(48):
-        _put(store, f"b{i}", "beta", T0)
-    for j in ("t0", "t1"):
-        _put(store, j, "tiny", T0, weight=0.001)
+def test_an_old_backlog_does_not_hold_back_another_tenants_request(store: Store) -> None:
+    """alpha's 1,000 one-second jobs have waited longer than any level is worth
+    when gamma sends one request: it runs next. So does the first of two of a
+    weight-0.001 tenant; its second, whose turn is 1,000 of alpha's later,
+    runs after alpha's 700 left."""
+    for i in range(1000):
+        _put(store, f"a{i}", "alpha", T0 + i * 0.001)
     now = T0
-    while (claim := store.claim("w", now)) is not None:
+    for _ in range(300):
+        _serve(store, now, 1.0)
         now += 1.0
-        store.finish(claim.job_id, claim.exec_token, "w", JobState.FINISHED, {"usage": _USAGE},
-                     0, [], now)  # fmt: skip
-    assert float(store.r.hget(store.keys.fair, "g|0") or 0) < 3 * fairness.DEFAULT_SPEED
-    later = now + 3600
-    for i in range(100):
-        _put(store, f"a{i}", "alpha", later)
-    _put(store, "g0", "gamma", later + 1)
-    assert [_serve(store, later + 1 + i, 1.0) for i in range(2)][1] == "g0"
+    _put(store, "g0", "gamma", now)
+    assert _serve(store, now, 1.0) == "g0"
+    for j in ("t0", "t1"):
+        _put(store, j, "tiny", now, weight=0.001)
+    order = [_serve(store, now + i, 1.0) for i in range(702)]
+    assert order[:2] == ["t0", "a300"] and order[-1] == "t1"
 
 
 def test_a_job_cancelled_after_it_ran_is_charged(store: Store) -> None:
@@ -535,28 +525,66 @@ def test_a_job_cancelled_after_it_ran_is_charged(store: Store) -> None:
     assert _claims(store, 2, T0 + 2, by="x") == ["a0", "b1"]
 
 
-def test_a_waiting_job_parks_no_runner_the_claim_would_hand_back(store: Store) -> None:
-    """R (beta) runs at an earlier turn than F (alpha, waiting) but a later key:
-    parking R for F would only see the claim take R again in F's place."""
-    for worker in ("w1", "w2"):
-        store.workers.heartbeat(worker, now=T0, ttl=10_000)
-    _put(store, "g0", "gamma", T0)
-    assert (busy := store.claim("w2", T0)) is not None and busy.job_id == "g0"
-    _put(store, "a0", "alpha", T0, prompt=500)
-    first = store.claim("w1", T0)
-    assert first is not None
-    store.finish("a0", first.exec_token, "w1", JobState.FINISHED, {"usage": _USAGE}, 0, [], T0)
-    _put(store, "b0", "beta", T0 + 0.06, prompt=400)
-    done = store.claim("w1", T0 + 0.06)
-    assert done is not None
-    store.finish("b0", done.exec_token, "w1", JobState.FINISHED, {"usage": _USAGE}, 0, [], T0)
-    _put(store, "R", "beta", T0 + 0.1, prompt=400)
-    assert (run := store.claim("w1", T0 + 0.1)) is not None and run.job_id == "R"
-    _put(store, "F", "alpha", T0 + 0.2)
-    key = {j: float(store.r.hget(store.keys.job(j), "fair_start") or 0) for j in ("R", "F")}
-    turn = {j: float(store.r.hget(store.keys.job(j), "fair_v") or 0) for j in ("R", "F")}
-    assert key["F"] + 1 < key["R"] and turn["R"] < turn["F"]  # the case at hand
-    assert store.maybe_preempt(T0 + 0.5) is None
+def _engine(store: Store, n: int, at: float) -> None:
+    for i in range(n):
+        store.workers.heartbeat(f"w{i}", now=at, ttl=10_000)
+
+
+@pytest.mark.parametrize(
+    ("alpha_runs", "beta_runs", "beta_weight", "parks"),
+    [(2, 0, 1.0, True), (1, 0, 1.0, False), (3, 1, 1.0, True), (2, 1, 1.0, False),
+     (2, 0, 0.25, False), (8, 0, 0.25, True)],
+)  # fmt: skip
+def test_a_tenant_under_its_share_of_the_sequences_parks_one_over_it(
+    store: Store, alpha_runs: int, beta_runs: int, beta_weight: float, parks: bool
+) -> None:
+    """All the engine's sequences run interactive work; beta sends a request
+    of the same level: it parks alpha's newest job exactly when alpha would
+    still hold, over its weight, more than beta would after (a park that
+    only swaps two tenants' places is not made)."""
+    n = alpha_runs + beta_runs
+    _engine(store, n, T0)
+    for i in range(alpha_runs):
+        _put(store, f"a{i}", "alpha", T0 + i, level=10)
+    for i in range(beta_runs):
+        _put(store, f"b{i}", "beta", T0 + 10 + i, level=10, weight=beta_weight)
+    assert len(_claims(store, n, T0 + 20)) == n
+    _put(store, "a-more", "alpha", T0 + 21, level=10)  # alpha's backlog
+    _put(store, "B", "beta", T0 + 22, level=10, weight=beta_weight)
+    runs = {store.r.hget(store.keys.worker(f"w{i}"), "job"): f"w{i}" for i in range(n)}
+    newest = runs[f"a{alpha_runs - 1}".encode()]
+    assert store.maybe_preempt(T0 + 23) == (newest if parks else None)
+
+
+def test_a_share_park_hands_the_sequence_to_the_tenant_under_its_share(store: Store) -> None:
+    """beta's request parks one of alpha's two runners; the freed sequence
+    claims beta's, not alpha's parked job or its backlog, and nothing parks again."""
+    _engine(store, 2, T0)
+    for i in range(4):
+        _put(store, f"a{i}", "alpha", T0 + i, level=10)
+    assert _claims(store, 2, T0 + 4) == ["a0", "a1"]
+    _put(store, "B", "beta", T0 + 5, level=10)
+    victim = store.maybe_preempt(T0 + 6)
+    assert victim == "w1"
+    exec_token = store.r.hget(store.keys.worker("w1"), "exec")
+    assert exec_token is not None
+    store.park("a1", exec_token.decode(), "w1", "{}", T0 + 6)
+    assert store.r.hget(store.keys.job("a1"), "state") == b"parked"
+    claim = store.claim("w1", T0 + 6)
+    assert claim is not None and claim.job_id == "B"
+    assert store.maybe_preempt(T0 + 7) is None
+
+
+def test_a_tenant_that_parks_only_batch_work_parks_no_share_of_interactive_work(
+    store: Store,
+) -> None:
+    _engine(store, 2, T0)
+    for i in range(3):
+        _put(store, f"a{i}", "alpha", T0, level=10)
+    assert len(_claims(store, 2, T0 + 1)) == 2
+    assert store.enqueue("B", "completion", _request(), 10, T0 + 5, owner="beta",
+                         extra={"parks_others": "batch"}, weight=1.0)  # fmt: skip
+    assert store.maybe_preempt(T0 + 6) is None
 
 
 def test_a_tenant_served_beside_an_old_backlog_is_not_held_back_after_it(store: Store) -> None:
@@ -582,21 +610,3 @@ def test_a_tenant_served_beside_an_old_backlog_is_not_held_back_after_it(store: 
         _put(store, f"G{i}", "gamma", now)
     order = "".join(_serve(store, now + i, 1.0)[0] for i in range(20))
     assert order.count("B", 0, 10) == 5, order
-
-
-def test_a_waiting_job_of_an_equal_turn_parks_the_runner(store: Store) -> None:
-    """R (alpha, a turn ahead) runs; beta, with nothing waiting, sends W at the
-    same turn and a key 11 s earlier: the claim would take W first (equal
-    turns keep their places), so W parks R."""
-    store.workers.heartbeat("w1", now=T0, ttl=10_000)
-    _put(store, "a0", "alpha", T0, prompt=500)
-    first = store.claim("w1", T0)
-    assert first is not None
-    store.finish("a0", first.exec_token, "w1", JobState.FINISHED, {"usage": _USAGE}, 0, [],
-                 T0 + 0.05)  # fmt: skip
-    _put(store, "R", "alpha", T0 + 0.1, prompt=500)
-    assert (run := store.claim("w1", T0 + 0.1)) is not None and run.job_id == "R"
-    _put(store, "W", "beta", T0 + 0.5)
-    turns = [store.r.hget(store.keys.job(j), "fair_v") for j in ("R", "W")]
-    assert turns[0] == turns[1]
-    assert store.maybe_preempt(T0 + 1.0) == "w1"
