@@ -67,8 +67,8 @@ LONG = {"model": "tiny", "prompt": "A long one", "max_tokens": 3000, "ignore_eos
 def base(tiny_model: Path, tmp_path_factory: Any) -> Iterator[str]:
     path = tmp_path_factory.mktemp("keys") / "keys.toml"
     path.write_text(KEYS_FILE)
-    # A level worth a minute, as by default: a fair turn puts a job back by
-    # half a level's worth at most (the suite's 0.5 s would leave no turns).
+    # A level worth a minute, as by default (the suite's 0.5 s would let the
+    # batch lines' age pass the flood tests' level).
     env = {**TEST_ENV, "PARKQ_API_KEYS": f"plain:{PLAIN}", "PARKQ_KEYS_FILE": str(path),
            "PARKQ_JANITOR_SECONDS": "0.5", "PARKQ_PRIORITY_LEVEL_SECONDS": "60"}  # fmt: skip
     proc, url = start_parkq(tiny_model, None, env=env)
@@ -362,3 +362,38 @@ def test_weights_2_to_1_give_single_requests_a_2_to_1_share_of_tokens(base: str)
     tokens = {key: sum(j["tokens"] for j in js if start <= j["started_at"] < end)
               for key, js in jobs.items()}  # fmt: skip
     assert 1.8 <= tokens[HEAVY] / tokens[PLAIN] <= 2.2, tokens
+
+
+def test_a_tenants_request_parks_one_of_a_flood_that_holds_every_sequence(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Two sequences both run plain's long generations, and a third waits;
+    another tenant's short request at the same level runs to its end while
+    none of them has ended: it parked one (plain would still hold one, as
+    many as the other after it)."""
+    path = tmp_path / "keys.toml"
+    path.write_text(KEYS_FILE)
+    env = {**TEST_ENV, "PARKQ_API_KEYS": f"plain:{PLAIN}", "PARKQ_KEYS_FILE": str(path),
+           "PARKQ_MAX_SEQS": "2"}  # fmt: skip
+    proc, url = start_parkq(tiny_model, None, env=env)
+    try:
+        flood: list[str] = []
+        threads = _flood(url, PLAIN, 3, 3000, flood)
+        wait_until(lambda: len(flood) == 3, timeout=60)
+        wait_until(lambda: sum(r["state"] == "running" for r in _records(url, flood)) == 2,
+                   timeout=60)  # fmt: skip
+        one = _client(url, CAPPED).completions.create(
+            model="tiny", prompt="Just one", max_tokens=5, extra_body={"priority": LEVEL}
+        )
+        assert one.choices[0].text
+        records = _records(url, flood)
+        assert not any(r["state"] == "finished" for r in records), records
+        assert sum(int(r["preemptions"]) for r in records) >= 1
+        for job_id in flood:
+            requests.delete(url + f"/v1/jobs/{job_id}", timeout=30,
+                          headers={"Authorization": f"Bearer {PLAIN}"})  # fmt: skip
+        for t in threads:
+            t.join(timeout=120)
+        assert all(r["state"] == "cancelled" for r in _records(url, flood))
+    finally:
+        stop_parkq(proc)
