@@ -115,7 +115,9 @@ if base and live_base then
   local rows = redis.call('ZRANGE', heads, 0, look - 1, 'WITHSCORES')
   for i = 1, #rows, 2 do
     local tenant, t = rows[i], tonumber(rows[i + 1])
-    if t > turn then break end  -- (in order of turns: none after is earlier)
+    -- In order of turns: none after is earlier. The first that fits has the
+    -- lowest score of all that fit, so it is taken at an equal turn.
+    if t > turn or (t == turn and id == best) then break end
     if tenant ~= owner then
       local tq = base .. ':tq:' .. level .. ':' .. tenant
       local other, empty = fair_first(tq, KEYS[1], ARGV[1], claimable, look)

@@ -12,9 +12,9 @@ Starts one `redis-server` (loopback) and drives parkq's own scripts
   ``--claims`` more), owned round robin by ``--tenants`` tenants, enqueued
   with fair turns (weight 1: scheduler/fairness.py) and again without
   (PARKQ_FAIR_SHARE off); ``--claims`` claims, each by a sequence of its own.
-  Fair turns are taken where a job is enqueued (its score) and, with them,
-  the claim compares the next jobs that fit by their turns
-  (scheduler/fairness.py's LOOK).
+  With fair turns a job is listed in its tenant's queue where it is
+  enqueued, and the claim compares the first waiting jobs of the tenants of
+  the earliest turns (scheduler/fairness.py's LOOK).
 - **feed**: a batch of ``--feeds`` lines fed one at a time (each fed line then
   marked ended, as a worker would end it), once with no token rate and once
   with one that never runs dry: the rate's own cost per fed line.
