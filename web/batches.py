@@ -223,6 +223,9 @@ def _validate(app: Any, batch_id: str) -> None:
     with app.app_context():
         batches = batch_store()
         try:
+            record = batches.get(batch_id)
+            if record is None or record.get("status") != "validating":
+                return  # validated meanwhile: a reader saw it validating, then started this late
             _validate_lines(batches, batch_id)
         except Exception as exc:  # the batch fails with the reason; nothing is queued
             current_app.logger.exception("batch %s: validation failed", batch_id)
@@ -261,6 +264,10 @@ def _validate_lines(batches: BatchStore, batch_id: str) -> None:
     runtime = current()
     for job_id, _, kind, gen_json, _ in lines:
         runtime.rq.create(job_id, f"batch {batch_id}: {kind} {len(gen_json['prompt_ids'])} tokens")
+    # Lines stored by a validation that died with its process before the batch
+    # left validating (none of them was fed): this one stores them again.
+    for job_id in batches.forget_lines(batch_id):
+        runtime.rq.canceled(job_id)
     now = time.time()
     owner = {"owner": record["owner"]} if record.get("owner") else {}
     if record.get("level"):

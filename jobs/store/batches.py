@@ -449,6 +449,13 @@ class BatchStore:
             p.execute()
         return ids
 
+    def forget_lines(self, batch_id: str) -> list[str]:
+        """Remove every line stored for a batch still validating (none was fed):
+        its items, invalid lines and pending lines; the pending lines' job ids."""
+        ids = self.drop_pending(batch_id)
+        self.r.delete(self.keys.batch_items(batch_id), self.keys.batch_invalid(batch_id))
+        return ids
+
     def live_jobs(self, batch_id: str) -> list[str]:
         return [as_text(x) for x in self.r.smembers(self.keys.batch_live(batch_id))]
 

@@ -399,3 +399,76 @@ def test_the_janitor_drops_gone_ids_from_every_tenants_index(
     assert store.prune_indexes() == 1
     assert [f["id"] for f in store.list_files(owner="t1")] == [kept["id"]]
     assert [f["id"] for f in store.list_files(owner="t2")] == [other["id"]]
+
+
+def test_a_validation_started_late_by_a_reader_changes_nothing(
+    bsettings: Settings, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """A read saw the batch validating and started a validation once the first
+    had ended (under load, the two can be that far apart): the batch keeps its
+    lines, once each."""
+    import web.batches
+
+    app = create_app(bsettings, vocab=FakeVocab(), client=fake_redis)
+    client = app.test_client()
+    file_id = _upload(client, [_line(f"r{i}", "x") for i in range(4)]).get_json()["id"]
+    batch_id = _create(client, file_id).get_json()["id"]
+    _wait_status(client, batch_id, {"in_progress"})
+    k = bsettings.keys
+    lines = fake_redis.lrange(k.batch_items(batch_id), 0, -1)
+    with app.app_context():
+        web.batches._start_validation(web.batches.batch_store(), batch_id)
+    deadline = time.monotonic() + 10
+    while fake_redis.exists(k.batch_validation_lock(batch_id)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert fake_redis.lrange(k.batch_items(batch_id), 0, -1) == lines
+    w = Worker(bsettings, FakeEngine(), fake_redis, name="w1")
+    thread = threading.Thread(target=w.run)
+    thread.start()
+    try:
+        done = _wait_status(client, batch_id, {"completed", "failed"})
+    finally:
+        w.stop()
+        thread.join(timeout=10)
+    assert done["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
+
+
+def test_a_validation_after_one_that_died_stores_each_line_once(
+    bsettings: Settings, fake_redis: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A validation that died with its process had stored some lines (the
+    batch still validating, none fed); the next stores every line once."""
+    import web.batches
+
+    gate = threading.Event()
+    line_job = web.batches._line_job
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        assert gate.wait(timeout=30)
+        return line_job(*args, **kwargs)
+
+    monkeypatch.setattr(web.batches, "_line_job", held)
+    app = create_app(bsettings, vocab=FakeVocab(), client=fake_redis)
+    client = app.test_client()
+    file_id = _upload(client, [_line(f"r{i}", "x") for i in range(4)]).get_json()["id"]
+    batch_id = _create(client, file_id).get_json()["id"]
+    # What the died one left: two lines stored, one invalid line.
+    request = {"prompt_ids": [1, 2], "max_tokens": 4}
+    dead = [(f"batchreq_dead{i}", f"r{i}", "chat", request, {}) for i in range(2)]
+    BatchStore(app.extensions["parkq"].store).create_batch(
+        {"id": batch_id, "invalid": "1", "errors": "[]"}, dead, [{"bad": 1}], time.time()
+    )
+    gate.set()
+    _wait_status(client, batch_id, {"in_progress"})
+    w = Worker(bsettings, FakeEngine(), fake_redis, name="w1")
+    thread = threading.Thread(target=w.run)
+    thread.start()
+    try:
+        done = _wait_status(client, batch_id, {"completed", "failed"})
+    finally:
+        w.stop()
+        thread.join(timeout=10)
+    assert done["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
+    assert sorted(x["custom_id"] for x in _jsonl(client, done["output_file_id"])) == [
+        f"r{i}" for i in range(4)
+    ]
