@@ -408,6 +408,7 @@ def test_a_validation_started_late_by_a_reader_changes_nothing(
     had ended (under load, the two can be that far apart): the batch keeps its
     lines, once each."""
     import web.batches
+    import web.files
 
     app = create_app(bsettings, vocab=FakeVocab(), client=fake_redis)
     client = app.test_client()
@@ -417,7 +418,7 @@ def test_a_validation_started_late_by_a_reader_changes_nothing(
     k = bsettings.keys
     lines = fake_redis.lrange(k.batch_items(batch_id), 0, -1)
     with app.app_context():
-        web.batches._start_validation(web.batches.batch_store(), batch_id)
+        web.batches._start_validation(web.files.batch_store(), batch_id)
     deadline = time.monotonic() + 10
     while fake_redis.exists(k.batch_validation_lock(batch_id)) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -453,8 +454,10 @@ def test_a_validation_after_one_that_died_stores_each_line_once(
     file_id = _upload(client, [_line(f"r{i}", "x") for i in range(4)]).get_json()["id"]
     batch_id = _create(client, file_id).get_json()["id"]
     # What the died one left: two lines stored, one invalid line.
-    request = {"prompt_ids": [1, 2], "max_tokens": 4}
-    dead = [(f"batchreq_dead{i}", f"r{i}", "chat", request, {}) for i in range(2)]
+    request: dict[str, Any] = {"prompt_ids": [1, 2], "max_tokens": 4}
+    dead: list[tuple[str, str, str, dict[str, Any], dict[str, str]]] = [
+        (f"batchreq_dead{i}", f"r{i}", "chat", request, {}) for i in range(2)
+    ]
     BatchStore(app.extensions["parkq"].store).create_batch(
         {"id": batch_id, "invalid": "1", "errors": "[]"}, dead, [{"bad": 1}], time.time()
     )
