@@ -665,6 +665,10 @@ class Store:
                     continue
                 return victim
             pool = runners
+            if fair is not None:
+                pool = self._not_handed_back(int(level or 0), owner or b"", runners)
+                if runners and not pool and not idle:
+                    continue  # the claim would hand each runner its place back
             if parks == b"batch":  # its tenant leaves other tenants' interactive work be
                 pool = self._parkable_by(owner or b"", pool)
             if at_cap(owner, cap):
@@ -678,17 +682,19 @@ class Store:
                 return victim
             victim = choose_victim(self.preempt_policy, -float(score), pool, idle, now)
             if victim is None and fair is not None and not idle:
-                victim = self._over_share(int(level or 0), runners, now)
+                victim = self._over_share(int(level or 0), runners, alive, now)
             return NO_ONE if victim is None else victim  # the best job anyone may take decides
         return None
 
-    def _over_share(self, level: int, runners: list[Runner], now: float) -> Runner | None:
+    def _over_share(
+        self, level: int, runners: list[Runner], alive: set[str], now: float
+    ) -> Runner | None:
         """The runner to park at ``level`` for the tenant whose fair turn there
         is the earliest (the one a claim would take: lib.lua), when its tenant
         runs fewer of the engine's sequences at that level, over its weight,
         than another tenant would after giving one up (scheduler/fairness.py):
         that tenant's runner of the lowest key past its minimum run time."""
-        first = self._first_turn(level)
+        first = self._first_turn(level, alive, now)
         if first is None:
             return None
         tenant, weight, parks = first
@@ -709,26 +715,73 @@ class Store:
             return None
         return min(over, key=lambda x: (-x[1], x[0].key, x[0].worker))[0]
 
-    def _first_turn(self, level: int) -> tuple[bytes, float, bytes | None] | None:
+    def _first_turn(
+        self, level: int, alive: set[str], now: float
+    ) -> tuple[bytes, float, bytes | None] | None:
         """The tenant of the earliest fair turn at ``level`` whose first waiting
-        job this deployment may run, its weight and its parks_others; None when
-        none is found among the first LOOK turns."""
+        job any sequence here may take now (this deployment's model, not a
+        parked job left to its checkpoint's holder, its tenant not at its
+        running cap: as the claim's fits), its weight and its parks_others;
+        None when none is found among the 4 LOOK earliest turns."""
         k = self.keys
         mine = self.model.digest.encode() if self.model else None
-        for raw in self.r.zrange(k.turns(level), 0, fairness.LOOK - 1):
+        for raw in self.r.zrange(k.turns(level), 0, 4 * fairness.LOOK - 1):
             tenant = as_text(raw)
             first = self.r.zrange(k.tenant_queue(level, tenant), 0, 0)
             if not first:
                 continue
-            state, digest, weight, parks = self.r.hmget(
-                k.job(as_text(first[0])), "state", "model_digest", "fair_w", "parks_others"
-            )
+            got = self.r.hmget(k.job(as_text(first[0])), "state", "model_digest", "fair_w",
+                               "parks_others", "ckpt_worker", "parked_at", "run_seconds",
+                               "max_running")  # fmt: skip
+            state, digest, weight, parks, holder, parked_at, ran, cap = got
             if state not in (b"queued", b"parked") or weight is None:
                 continue  # ended (the claim drops it), or queued without a weight
             if mine is not None and digest is not None and digest != mine:
                 continue
+            bound = (
+                state == b"parked"
+                and holder is not None
+                and as_text(holder) in alive
+                and now - float(parked_at or 0)
+                < max(self.settings.affinity_seconds, float(ran or 0))
+            )
+            if bound or (cap and self._at_running_cap(tenant, int(cap))):
+                continue  # its holder takes it, or nobody may yet
             return raw, float(weight), parks
         return None
+
+    def _not_handed_back(self, level: int, owner: bytes, runners: list[Runner]) -> list[Runner]:
+        """Those of ``runners`` a waiting job of ``level`` and tenant ``owner``
+        that takes fair turns may park for its key: not one of another tenant
+        at that level whose turn, once its job is back, would be earlier than
+        every other tenant's waiting there, so that the claim would hand it its
+        place straight back."""
+        rows = self._shares(runners)
+        here = [
+            i for i, (theirs, their_level, w) in enumerate(rows)
+            if their_level == level and w and theirs != owner
+        ]  # fmt: skip
+        if not here:
+            return runners
+        k = self.keys
+        tenants = sorted({rows[i][0] for i in here})
+        with self.r.pipeline(transaction=False) as p:
+            p.hget(k.fair, f"v|{level}")
+            p.zrange(k.turns(level), 0, 4 * fairness.LOOK - 1, withscores=True)
+            for t in tenants:
+                p.hget(k.fair, f"c|{level}|{as_text(t)}")
+            got = p.execute()
+        v = float(got[0] or 0)
+        turns = {t: float(score) for t, score in got[1]}
+        clocks = zip(tenants, got[2:], strict=True)
+        after = {t: turns.get(t, max(v, float(clock or v))) for t, clock in clocks}
+
+        def handed_back(theirs: bytes) -> bool:
+            others = [score for t, score in turns.items() if t != theirs]
+            return not others or after[theirs] < min(others)
+
+        back = {i for i in here if handed_back(rows[i][0])}
+        return [r for i, r in enumerate(runners) if i not in back]
 
     def _shares(self, runners: list[Runner]) -> list[tuple[bytes, int, float]]:
         """Each runner's job's tenant, level and fair weight (0: none)."""

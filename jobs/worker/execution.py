@@ -65,6 +65,9 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+#: How often, at most, a worker process's steps ask whether a tenant under its
+#: share of the sequences should park one of a tenant over it (scheduler/fairness.py).
+SHARES_SECONDS = 1.0
 #: Fenced writes (steps, parks, finishes) through a Redis restart: back-off
 #: from 0.2 s to 2 s, about a minute in all.
 WRITE_RETRY = Retry(ExponentialBackoff(cap=2.0, base=0.1), retries=32, supported_errors=TRANSIENT)
@@ -245,6 +248,8 @@ class Executions:
     _gaps_ms: float
     #: When Redis last failed a call (see Worker._reap_disconnected).
     _redis_lost_at: float
+    #: When a step last asked for a park by tenants' shares (_check_preempt).
+    _shares_checked_at: float = 0.0
 
     def beat(self, force: bool = True) -> None:
         raise NotImplementedError
@@ -493,11 +498,21 @@ class Executions:
 
         The enqueuer flags a victim at once when one is ripe; this covers the
         winner that arrived while every runner was still in its minimum run
-        time. Throttled to when the head changes or every 100 ms.
+        time. Throttled to when the head changes or every 100 ms (a park by
+        tenants' shares: every SHARES_SECONDS).
         """
         policy = self.store.preempt_policy
         now = time.time()
-        if not policy.beats(head_key, job.key) or not policy.ripe(job.started_at, now):
+        if not policy.ripe(job.started_at, now):
+            return
+        if not policy.beats(head_key, job.key):
+            # No key beats it; a tenant under its share of the sequences at the
+            # head's level may still park one of a tenant over it (its request
+            # came while every runner was in its minimum run time, or a batch
+            # line fed since): asked once a second per worker process.
+            if self.settings.fair_share and now - self._shares_checked_at >= SHARES_SECONDS:
+                self._shares_checked_at = now
+                self.store.maybe_preempt(now)
             return
         if job.checked_head == head_key and now - job.checked_at < 0.1:
             return

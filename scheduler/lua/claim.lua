@@ -39,7 +39,7 @@ if stale then
       and (old_state == S.running or old_state == S.parking) then
     move(old, S.queued)
     redis.call('HINCRBY', old, 'exec', 1)
-    redis.call('ZADD', KEYS[1], redis.call('HGET', old, 'score'), stale)
+    redis.call('ZADD', KEYS[1], requeue_score(old, redis.call('HGET', KEYS[2], 'key')), stale)
     fair_wait(old)
   end
 end
@@ -81,8 +81,9 @@ end
 
 -- The job to take: the first that fits; where it takes a fair turn, the
 -- first waiting job that fits of the tenant whose turn at its level is the
--- earliest (lib.lua), looking at the `look` earliest turns (a tenant whose
--- first waiting job does not fit is passed over; equal turns go by score).
+-- earliest (lib.lua), looking at the 4 `look` earliest turns (a tenant whose
+-- first waiting job does not fit is passed over; equal turns go to the first
+-- that fits's tenant, else by score).
 -- The job taken runs in the first one's place (its key: a waiting job that
 -- beats it would have beaten that one).
 local best, head_score
@@ -112,12 +113,23 @@ if base and live_base then
   local heads = base .. ':heads:' .. level
   turn = tonumber(redis.call('ZSCORE', heads, owner)) or fair_turn(base, level, owner)
   local pick_score = head_score
-  local rows = redis.call('ZRANGE', heads, 0, look - 1, 'WITHSCORES')
+  -- Its tenant's first waiting job, if it fits (the first that fits may be
+  -- a later one of the tenant's, in an earlier one's place).
+  local own = fair_first(base .. ':tq:' .. level .. ':' .. owner, KEYS[1], ARGV[1], claimable,
+                         look)
+  if own and own ~= best then
+    local job = ARGV[1] .. own
+    if fits(own, job, redis.call('HMGET', job, 'state', 'model_digest', 'max_running', 'owner')) then
+      id, pick_score = own, tonumber(redis.call('ZSCORE', KEYS[1], own))
+    end
+  end
+  local mine = true
+  local rows = redis.call('ZRANGE', heads, 0, 4 * look - 1, 'WITHSCORES')
   for i = 1, #rows, 2 do
     local tenant, t = rows[i], tonumber(rows[i + 1])
-    -- In order of turns: none after is earlier. The first that fits has the
-    -- lowest score of all that fit, so it is taken at an equal turn.
-    if t > turn or (t == turn and id == best) then break end
+    -- In order of turns: none after is earlier. An equal turn goes to the
+    -- first that fits's tenant, else by score.
+    if t > turn or (t == turn and mine) then break end
     if tenant ~= owner then
       local tq = base .. ':tq:' .. level .. ':' .. tenant
       local other, empty = fair_first(tq, KEYS[1], ARGV[1], claimable, look)
@@ -128,10 +140,15 @@ if base and live_base then
         local f = redis.call('HMGET', job, 'state', 'model_digest', 'max_running', 'owner')
         local score = tonumber(redis.call('ZSCORE', KEYS[1], other))
         if fits(other, job, f) and (t < turn or score < pick_score) then
-          id, turn, pick_score = other, t, score
+          id, turn, pick_score, mine = other, t, score, false
         end
       end
     end
+  end
+  if id ~= best then
+    -- The first takes the place of the one taken: the level's places in the
+    -- queue, and so every other level's, are as they would be without turns.
+    redis.call('ZADD', KEYS[1], string.format('%.17g', pick_score), best)
   end
 end
 
@@ -144,7 +161,7 @@ if live_base then fair_claimed(job, id, turn) end
 move(job, S.running)
 redis.call('HSET', job, 'worker', ARGV[2], 'resumed_at', ARGV[3])
 redis.call('HSETNX', job, 'started_at', ARGV[3])
-local key = -math.min(tonumber(redis.call('HGET', job, 'score')), head_score)
+local key = string.format('%.17g', -head_score)  -- (the place it runs in)
 redis.call('HSET', KEYS[2], 'job', id, 'exec', exec, 'since', ARGV[3], 'key', key,
            'pinned', ARGV[7])
 redis.call('HDEL', KEYS[2], 'preempt')
@@ -158,4 +175,4 @@ elseif was ~= ARGV[10] then
   redis.call('HSET', job, 'device', ARGV[10])
   redis.call('HINCRBY', job, 'device_moves', 1)
 end
-return {id, exec, moved, string.format('%.17g', key)}
+return {id, exec, moved, key}

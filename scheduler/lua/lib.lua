@@ -212,24 +212,33 @@ local function fair_unwait(job, id)
   end
 end
 
--- A claimed job took its tenant's turn `turn` (nil: the tenant's turn now):
--- the level's virtual time moves on to it; on the job's first claim, its
--- tenant's clock moves to its turn plus what the job is expected to take (a
--- parked job claimed again was charged); the tenant's turn is set again if
--- it has more waiting.
+-- A claimed job took its tenant's turn `turn` (nil: the tenant's turn now).
+-- On the job's first claim (`fair_c` marks it), the level's virtual time
+-- moves on to the turn and the tenant's clock to the turn plus what the job
+-- is expected to take. A job claimed again (parked, or requeued when its
+-- worker died) was charged: it moves neither, but puts the tenant's clock a
+-- token past the turn, so that a tenant waiting at the turn goes next (a
+-- backlog's parked jobs do not win every equal turn). The tenant's turn is
+-- set again if it has more waiting.
 local function fair_claimed(job, id, turn)
   local base, level, owner = fair_of(job)
   if not base then return end
   local now_turn, v = fair_turn(base, level, owner)
   turn = turn or now_turn
   local fair = base .. ':turns'
-  if turn > v then
-    v = turn
-    redis.call('HSET', fair, 'v|' .. level, string.format('%.17g', v))
-  end
-  if redis.call('HSETNX', job, 'fair_v', string.format('%.17g', turn)) == 1 then
+  local clock = 'c|' .. level .. '|' .. owner
+  if redis.call('HSETNX', job, 'fair_c', '1') == 1 then
+    if turn > v then
+      v = turn
+      redis.call('HSET', fair, 'v|' .. level, string.format('%.17g', v))
+    end
+    redis.call('HSET', job, 'fair_v', string.format('%.17g', turn))
     local tokens = tonumber(redis.call('HGET', job, 'fair_tokens')) or 0
-    redis.call('HSET', fair, 'c|' .. level .. '|' .. owner, string.format('%.17g', turn + tokens))
+    redis.call('HSET', fair, clock, string.format('%.17g', turn + tokens))
+  else
+    local weight = tonumber(redis.call('HGET', job, 'fair_w') or '') or 1
+    local c = tonumber(redis.call('HGET', fair, clock) or '') or v
+    redis.call('HSET', fair, clock, string.format('%.17g', math.max(c, turn + 1 / weight)))
   end
   fair_unwait(job, id)
   local heads = base .. ':heads:' .. level
@@ -273,6 +282,16 @@ local function fair_output(fair, job, completion)
     if old then new = 0.8 * old + 0.2 * v[2] end
     redis.call('HSET', fair, v[1], string.format('%.17g', new))
   end
+end
+
+-- The score a job that ran goes back to the queue at: the place it ran in
+-- (`key`, its worker's key when the worker still ran this execution: its own
+-- score, or that of the job whose place a fair turn gave it, claim.lua), else
+-- its own. A job parked or requeued keeps the age its place earned.
+local function requeue_score(job, key)
+  local place = tonumber(key or '')
+  if place then return string.format('%.17g', -place) end
+  return redis.call('HGET', job, 'score')
 end
 
 -- A tenant's caps (scheduler/tenancy.py: max_running, max_queued) count the

@@ -1,5 +1,6 @@
 -- Park a running job: save its generation state, put it back in the queue
--- with its original score (it keeps the age it earned), free the worker.
+-- at the place it ran in (it keeps the age it earned: lib.lua's
+-- requeue_score), free the worker.
 -- A cancel that arrived while it was parking wins: the job ends cancelled.
 -- A park counts, for the job's tenant, one park and the tokens it had generated.
 -- KEYS: job hash, queue zset, worker hash, running zset, wake list, events stream,
@@ -19,6 +20,8 @@ local ok, saved = pcall(cjson.decode, ARGV[3])
 if ok and type(saved) == 'table' and tonumber(saved['events'] or 0) > have then
   return {-4, have}
 end
+local place = nil  -- (the place it ran in: lib.lua's requeue_score)
+if redis.call('HGET', KEYS[3], 'exec') == ARGV[1] then place = redis.call('HGET', KEYS[3], 'key') end
 release_worker(KEYS[3], KEYS[4], ARGV[4], ARGV[1])
 if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then
   emit_after(KEYS[1], KEYS[6], ARGV[5], 9)
@@ -49,7 +52,7 @@ else
   redis.call('HDEL', KEYS[1], 'ckpt_worker')  -- no KV kept: nobody to wait for
 end
 redis.call('HINCRBY', KEYS[1], 'preemptions', 1)
-redis.call('ZADD', KEYS[2], redis.call('HGET', KEYS[1], 'score'), id)
+redis.call('ZADD', KEYS[2], requeue_score(KEYS[1], place), id)
 fair_wait(KEYS[1])  -- (its tenant's turn: lib.lua)
 redis.call('LPUSH', KEYS[5], id)
 redis.call('LTRIM', KEYS[5], 0, 63)

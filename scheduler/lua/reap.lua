@@ -6,8 +6,8 @@
 --       marked expired by the caller, its own included; '' for every expired
 --       one), '1' to count a crash of their jobs ('0': requeue without counting),
 --       failure payloads...
--- A job whose worker died while running it goes back to the queue with its
--- original score; it resumes from its last checkpoint (or from the start),
+-- A job whose worker died while running it goes back to the queue at the
+-- place it ran in (lib.lua's requeue_score); it resumes from its last checkpoint (or from the start),
 -- and its stream continues without duplicates. A job that has lost its worker
 -- `crash limit` times fails instead.
 -- Returns a flat list: worker, job id or '', outcome ('requeued', 'failed', ''),
@@ -46,7 +46,7 @@ for _, w in ipairs(dead) do
       else
         move(job, S.queued)
         redis.call('HINCRBY', job, 'exec', 1)  -- fence the dead execution
-        redis.call('ZADD', KEYS[2], redis.call('HGET', job, 'score'), id)
+        redis.call('ZADD', KEYS[2], requeue_score(job, redis.call('HGET', wkey, 'key')), id)
         fair_wait(job)  -- (its tenant's turn: lib.lua)
         redis.call('LPUSH', KEYS[4], id)
         outcome = 'requeued'

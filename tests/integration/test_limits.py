@@ -364,36 +364,80 @@ def test_weights_2_to_1_give_single_requests_a_2_to_1_share_of_tokens(base: str)
     assert 1.8 <= tokens[HEAVY] / tokens[PLAIN] <= 2.2, tokens
 
 
-def test_a_tenants_request_parks_one_of_a_flood_that_holds_every_sequence(
-    tiny_model: Path, tmp_path: Path
-) -> None:
-    """Two sequences both run plain's long generations, and a third waits;
-    another tenant's short request at the same level runs to its end while
-    none of them has ended: it parked one (plain would still hold one, as
-    many as the other after it)."""
-    path = tmp_path / "keys.toml"
+@pytest.fixture(scope="module")
+def two_seqs(tiny_model: Path, tmp_path_factory: Any) -> Iterator[str]:
+    """The keys file's tenants on a worker of two sequences."""
+    path = tmp_path_factory.mktemp("keys2") / "keys.toml"
     path.write_text(KEYS_FILE)
     env = {**TEST_ENV, "PARKQ_API_KEYS": f"plain:{PLAIN}", "PARKQ_KEYS_FILE": str(path),
            "PARKQ_MAX_SEQS": "2"}  # fmt: skip
     proc, url = start_parkq(tiny_model, None, env=env)
+    yield url
+    stop_parkq(proc)
+
+
+def _holding_both(url: str, level: int | str) -> tuple[list[str], list[threading.Thread]]:
+    """Three long streamed generations of plain at ``level``: two run, one waits."""
+    body = {"model": "tiny", "prompt": "Flood", "max_tokens": 3000, "ignore_eos": True,
+            "temperature": 0, "priority": level, "stream": True}  # fmt: skip
+    flood: list[str] = []
+
+    def one() -> None:
+        got = requests.post(url + "/v1/completions", json=body, timeout=300, stream=True,
+                            headers={"Authorization": f"Bearer {PLAIN}"})  # fmt: skip
+        flood.append(got.headers["X-Job-Id"])
+        for _ in got.iter_content(None):
+            pass
+
+    threads = [threading.Thread(target=one) for _ in range(3)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(flood) == 3, timeout=60)
+    wait_until(lambda: sum(r["state"] == "running" for r in _records(url, flood)) == 2,
+               timeout=60)  # fmt: skip
+    return flood, threads
+
+
+def _none_ended_and_one_parked(url: str, flood: list[str], threads: list[threading.Thread]) -> None:
+    records = _records(url, flood)
     try:
-        flood: list[str] = []
-        threads = _flood(url, PLAIN, 3, 3000, flood)
-        wait_until(lambda: len(flood) == 3, timeout=60)
-        wait_until(lambda: sum(r["state"] == "running" for r in _records(url, flood)) == 2,
-                   timeout=60)  # fmt: skip
-        one = _client(url, CAPPED).completions.create(
-            model="tiny", prompt="Just one", max_tokens=5, extra_body={"priority": LEVEL}
-        )
-        assert one.choices[0].text
-        records = _records(url, flood)
         assert not any(r["state"] == "finished" for r in records), records
-        assert sum(int(r["preemptions"]) for r in records) >= 1
+        assert sum(int(r["preemptions"]) for r in records) >= 1, records
+    finally:
         for job_id in flood:
             requests.delete(url + f"/v1/jobs/{job_id}", timeout=30,
-                          headers={"Authorization": f"Bearer {PLAIN}"})  # fmt: skip
+                            headers={"Authorization": f"Bearer {PLAIN}"})  # fmt: skip
         for t in threads:
             t.join(timeout=120)
-        assert all(r["state"] == "cancelled" for r in _records(url, flood))
-    finally:
-        stop_parkq(proc)
+
+
+def test_a_tenants_request_parks_one_of_a_flood_that_holds_every_sequence(two_seqs: str) -> None:
+    """Two sequences both run plain's long generations, and a third waits;
+    another tenant's short request at the same level runs to its end while
+    none of them has ended: it parked one (plain would still hold one, as
+    many as the other after it)."""
+    flood, threads = _holding_both(two_seqs, LEVEL)
+    one = _client(two_seqs, CAPPED).completions.create(
+        model="tiny", prompt="Just one", max_tokens=5, extra_body={"priority": LEVEL}
+    )
+    assert one.choices[0].text
+    _none_ended_and_one_parked(two_seqs, flood, threads)
+
+
+def test_a_batch_line_fed_beside_a_flood_parks_one_of_it(two_seqs: str, tmp_path: Path) -> None:
+    """The same for another tenant's batch line: a line is fed without any
+    request to ask for a park (the worker's steps ask, once a second)."""
+    flood, threads = _holding_both(two_seqs, "batch")
+    client = _client(two_seqs, CAPPED)
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": "Just one", "max_tokens": 5}}  # fmt: skip
+    up = client.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode() + b"\n")),
+                             purpose="batch")  # fmt: skip
+    batch = client.batches.create(input_file_id=up.id, endpoint="/v1/completions",
+                                  completion_window="24h")  # fmt: skip
+    deadline = time.monotonic() + 60
+    while (batch := client.batches.retrieve(batch.id)).status != "completed":
+        assert batch.status in ("validating", "in_progress", "finalizing"), batch.status
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    _none_ended_and_one_parked(two_seqs, flood, threads)

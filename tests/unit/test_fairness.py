@@ -142,38 +142,6 @@ def test_no_tenant_or_no_weight_scores_as_before(store: Store, owner: str, weigh
     assert store.r.hlen(store.keys.fair) == 0
 
 
-def test_turns_leave_each_jobs_score_its_own(store: Store) -> None:
-    """Turns decide among the jobs of a level at the claim: a job's score is its
-    level's and arrival's (what orders levels and preemption) however far
-    behind its tenant is."""
-    for i in range(30):
-        _put(store, f"a{i}", "alpha", T0 + i * 0.01)
-    _put(store, "b0", "beta", T0 + 5.0, level=1)
-    for job_id, at, level in (("a29", T0 + 0.29, 0), ("b0", T0 + 5.0, 1)):
-        raw = store.r.hget(store.keys.job(job_id), "score")
-        assert raw is not None and raw.decode() == repr(store.policy.score(level, at))
-
-
-def test_a_level_whose_virtual_time_lags_puts_no_job_before_a_higher_levels(
-    store: Store,
-) -> None:
-    """alpha alone runs one job at a time at level 1 for 29 s (nothing else
-    waits: the level's virtual time stays where it was); then a job of beta at
-    level 1 and, 5 s later, one of gamma at level 2 whose tenant is behind by
-    more than half a level: the higher level runs first (less than half a level
-    after the lower: neither is put forward, the later one back by at most
-    half a level)."""
-    for i in range(29):
-        _put(store, f"a{i}", "alpha", T0 + i, level=1)
-        assert _claims(store, 1, T0 + i, by=f"w{i}-") == [f"a{i}"]
-    for i in range(40):  # gamma's own turns at level 2, more than half a level ahead
-        _put(store, f"g{i}", "gamma", T0 + 29, level=2)
-    _put(store, "b0", "beta", T0 + 29, level=1)
-    _put(store, "g-late", "gamma", T0 + 34, level=2)
-    order = _claims(store, 42, T0 + 35, by="x")
-    assert order.index("g-late") < order.index("b0")
-
-
 def test_a_finished_jobs_output_becomes_the_tenants_usual_output(store: Store) -> None:
     _put(store, "a0", "alpha", T0, max_tokens=1000)
     claim = store.claim("w0", T0)
@@ -270,6 +238,65 @@ def test_the_janitor_drops_what_no_longer_counts(
     assert not fake_redis.exists(k.tenant_queue(0, "delta"))
 
 
+def _places(
+    fair: bool, arrivals: list[tuple[str, float, int, int, int, bool]]
+) -> list[tuple[str, str]]:
+    """Each claim's job's level and the key it runs at, with fair turns or
+    without (the last job claimed after an arrival parked where it says)."""
+    settings = Settings(redis_url="redis://fake", n_ctx=0, fair_share=fair)
+    store = Store(fakeredis.FakeRedis(), settings)
+    weight = {"a": 0.001, "b": 1.0, "c": 3.0}
+    at, out = T0, []
+    for i, (owner, gap, tokens, level, claims, park) in enumerate(arrivals):
+        at += gap
+        _put(store, f"{owner}{i}", owner, at, weight=weight[owner], level=level, max_tokens=tokens)
+        last = None
+        for n in range(claims + (len(arrivals) if i == len(arrivals) - 1 else 0)):
+            last = store.claim(f"w{i}-{n}", at)
+            if last is None:
+                break
+            raw = store.r.hget(store.keys.job(last.job_id), "priority")
+            out.append(((raw or b"").decode(), repr(last.key)))
+        if park and last is not None and i < len(arrivals) - 1:
+            store.park(last.job_id, last.exec_token, f"w{i}-{claims - 1}", "{}", at)
+    return out
+
+
+@hsettings(max_examples=80, deadline=None)
+@given(
+    arrivals=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c"]),
+            st.floats(0, 700),
+            st.integers(1, 400),
+            st.sampled_from([0, 1, 10]),
+            st.integers(0, 2),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
+@example(
+    arrivals=[("a", 0.0, 100, 0, 0, False), ("a", 0.0, 100, 0, 1, False)]
+    + [("c", 20.0, 100, 1, 0, False)] * 4 + [("b", 1.0, 100, 0, 0, False)]
+)  # fmt: skip
+@example(
+    arrivals=[("a", 0.0, 100, 0, 0, False), ("a", 0.0, 100, 0, 1, False),
+              ("c", 700.0, 100, 10, 0, False)] + [("b", 10.0, 100, 0, 1, True)] * 5
+)  # fmt: skip
+def test_turns_leave_every_levels_places_as_without_them(
+    arrivals: list[tuple[str, float, int, int, int, bool]],
+) -> None:
+    """Jobs of three tenants (weights 0.001, 1 and 3) at levels 0, 1 and 10,
+    claims and parks between them: the levels claims take and the keys they
+    run at are the same with fair turns and without. Turns only choose which of a
+    level's jobs takes each of its places, so a job of another level waits
+    exactly as it would without them (a weight-0.001 tenant's old job heading
+    a level does not hold a place there for other tenants' newer ones)."""
+    assert _places(True, arrivals) == _places(False, arrivals)
+
+
 @hsettings(max_examples=80, deadline=None)
 @given(
     arrivals=st.lists(
@@ -293,15 +320,12 @@ def test_any_arrivals_claims_and_cancels_keep_the_levels_each_tenants_order_and_
 ) -> None:
     """Jobs of three tenants arrive at levels 0, 1 and 10, and claims and
     cancels come between them:
-    - a job of a higher level that arrived less than its levels' difference
-      (in level_seconds) after another runs first;
     - each tenant's jobs at a level keep their order, and none is lost;
     - while two tenants both have jobs waiting at a level, the expected tokens
       over weight claimed for one never lead the other's by more than their
       largest jobs' (start-time fair queueing's bound)."""
     store = Store(fakeredis.FakeRedis(), Settings(redis_url="redis://fake", n_ctx=0))
     weight = dict(zip("abc", weights, strict=True))
-    level_seconds = store.policy.level_seconds
     at = T0
     sent: dict[tuple[str, int], list[str]] = {}
     waiting: dict[str, tuple[float, int, str]] = {}
@@ -314,12 +338,7 @@ def test_any_arrivals_claims_and_cancels_keep_the_levels_each_tenants_order_and_
 
     def claim(n: int) -> None:
         for claimed in _claims(store, n, at, by=f"w{len(order)}-"):
-            arrived, level, owner = waiting.pop(claimed)
-            passed = [
-                j for j, (a, lv, _) in waiting.items()
-                if lv > level and a - arrived < (lv - level) * level_seconds
-            ]  # fmt: skip
-            assert not passed, (claimed, passed)
+            _, level, owner = waiting.pop(claimed)
             charge = float(store.r.hget(store.keys.job(claimed), "fair_tokens") or 0)
             for other in "abc":
                 key = (level, owner, other)
@@ -479,7 +498,7 @@ def test_tenants_that_send_one_request_at_a_time_do_not_starve_a_backlog(store: 
 
 def test_a_job_taken_in_anothers_place_is_not_parked_for_it(store: Store) -> None:
     """a1's key is before b0's, but b0's turn is earlier: the claim takes b0
-    in a1's place, and a1 waiting does not park it (no claim-park-claim loop)."""
+    in a1's place, and a1 waiting (in b0's) does not park it."""
     store.workers.heartbeat("w", now=T0, ttl=10_000)
     for i in range(3):
         _put(store, f"a{i}", "alpha", T0)
@@ -489,7 +508,8 @@ def test_a_job_taken_in_anothers_place_is_not_parked_for_it(store: Store) -> Non
     store.finish("a0", first.exec_token, "w", JobState.FINISHED, {"usage": _USAGE}, 0, [], T0 + 5)
     claim = store.claim("w", T0 + 5)
     assert claim is not None and claim.job_id == "b0"
-    assert store.r.zrange(store.keys.queue, 0, 0) == [b"a1"]  # a1 heads the queue
+    # a1 took b0's place in the queue (b0 runs in a1's): nothing to park for.
+    assert store.r.zrange(store.keys.queue, 0, -1) == [b"a2", b"a1"]
     assert store.maybe_preempt(T0 + 6) is None
 
 
@@ -610,3 +630,110 @@ def test_a_tenant_served_beside_an_old_backlog_is_not_held_back_after_it(store: 
         _put(store, f"G{i}", "gamma", now)
     order = "".join(_serve(store, now + i, 1.0)[0] for i in range(20))
     assert order.count("B", 0, 10) == 5, order
+
+
+def _park_runner(store: Store, worker: str, now: float, keeps_kv: bool = False) -> str:
+    """``worker``'s job parks (by default keeping no KV: any sequence may take it)."""
+    job = (store.r.hget(store.keys.worker(worker), "job") or b"").decode()
+    exec_token = (store.r.hget(store.keys.worker(worker), "exec") or b"").decode()
+    store.park(job, exec_token, worker, "{}", now, keeps_kv=keeps_kv)
+    return job
+
+
+def test_no_share_park_for_a_tenant_no_sequence_may_serve(store: Store) -> None:
+    """beta runs one job, at its max_running of 1, and has another waiting at
+    the earliest turn; alpha holds the other three sequences. No park is made
+    for beta (the claim would pass its job over and hand the sequence back):
+    not by the next request either."""
+    _engine(store, 4, T0)
+
+    def put_beta(job_id: str, at: float) -> None:
+        assert store.enqueue(job_id, "completion", _request(), 10, at, owner="beta", weight=1.0,
+                             extra={"max_running": "1"}, caps=True)  # fmt: skip
+
+    for i in range(3):
+        _put(store, f"a{i}", "alpha", T0 + i, level=10)
+    put_beta("b0", T0 + 3)
+    assert sorted(_claims(store, 4, T0 + 4)) == ["a0", "a1", "a2", "b0"]
+    for i in range(3, 8):
+        _put(store, f"a{i}", "alpha", T0 + i, level=10)
+    put_beta("b1", T0 + 20)
+    assert store.maybe_preempt(T0 + 30) is None
+    _put(store, "d0", "delta", T0 + 31, level=0)
+    assert store.maybe_preempt(T0 + 31) is None
+
+
+def test_no_share_park_for_a_parked_job_left_to_its_checkpoints_holder(store: Store) -> None:
+    """beta's job is parked with its KV in process P2 (busy with a higher
+    level's job); P1's two sequences run alpha's: no park of P1's is made for
+    beta, whose job only P2 may take yet."""
+    for worker, proc in (("P1a", "P1"), ("P1b", "P1"), ("P2", "P2")):
+        store.workers.heartbeat(worker, now=T0, ttl=10_000, proc=proc)
+    _put(store, "Bp", "beta", T0)
+    assert (first := store.claim("P2", T0 + 0.5, proc="P2")) is not None and first.job_id == "Bp"
+    for i in range(10):
+        _put(store, f"a{i}", "alpha", T0 + 1 + i * 0.01)
+    claims = [store.claim(w, T0 + 1.1, proc="P1") for w in ("P1a", "P1b")]
+    assert [c.job_id if c else None for c in claims] == ["a0", "a1"]
+    assert _park_runner(store, "P2", T0 + 2, keeps_kv=True) == "Bp"
+    _put(store, "G", "gamma", T0 + 2, level=20)
+    assert (top := store.claim("P2", T0 + 2, proc="P2")) is not None and top.job_id == "G"
+    assert store.maybe_preempt(T0 + 3) is None
+
+
+def test_a_backlogs_parked_jobs_do_not_win_every_equal_turn(store: Store) -> None:
+    """alpha's four running jobs were parked (by a higher level's burst, say);
+    gamma's request, sent once the first is running again, runs next."""
+    _engine(store, 4, T0)
+    for i in range(8):
+        _put(store, f"a{i}", "alpha", T0 + i * 0.01)
+    assert len(_claims(store, 4, T0 + 1)) == 4
+    for i in range(4):
+        _park_runner(store, f"w{i}", T0 + 2)
+    assert _serve(store, T0 + 3, 1.0) == "a0"
+    _put(store, "g0", "gamma", T0 + 4)
+    assert [_serve(store, T0 + 5 + i, 1.0) for i in range(3)] == ["g0", "a1", "a2"]
+
+
+def test_a_job_queued_by_release_0_2_0_is_charged_when_it_runs(store: Store) -> None:
+    """0.2.0 gave a job its turn where it was queued (fair_v, fair_tokens, in
+    no tenant's queue): claimed after an upgrade, it moves its tenant's clock,
+    so another tenant's request does not wait behind all of them."""
+    for i in range(20):
+        _put(store, f"old{i}", "alpha", T0 + i * 0.01, weight=0.0)
+        store.r.hset(store.keys.job(f"old{i}"), mapping={"fair_tokens": "110",
+                                                         "fair_v": str(110 * i)})  # fmt: skip
+    store.r.hset(store.keys.fair, mapping={"v|0": "0", "c|0|alpha": f"2200 {T0 + 30} old19"})
+    _put(store, "g0", "gamma", T0 + 60)
+    assert [_serve(store, T0 + 61 + i, 1.0) for i in range(21)].index("g0") <= 2
+
+
+def test_a_runner_the_claim_would_hand_its_place_back_is_not_parked(store: Store) -> None:
+    """X (alpha) comes back to the queue with an old key when its worker dies;
+    G (gamma), of an earlier turn, runs: parking G for X's key would see the
+    claim hand G the sequence again."""
+    store.workers.heartbeat("w1", now=T0, ttl=30)
+    store.workers.heartbeat("w2", now=T0, ttl=10_000)
+    _put(store, "X", "alpha", T0, prompt=500)
+    assert (x := store.claim("w1", T0)) is not None and x.job_id == "X"
+    _put(store, "G", "gamma", T0 + 10)
+    assert (g := store.claim("w2", T0 + 10)) is not None and g.job_id == "G"
+    store.reap(T0 + 60)
+    assert store.r.hget(store.keys.job("X"), "state") == b"queued"
+    assert store.maybe_preempt(T0 + 61) is None
+
+
+def test_tenants_passed_over_for_their_caps_do_not_hide_the_next_turn(store: Store) -> None:
+    """40 tenants at their max_running of 1, each with one more waiting at an
+    earlier turn than alpha's flood: beta's request, sent while the flood
+    waits, still runs next."""
+    for t in range(40):
+        for n in range(2):
+            assert store.enqueue(f"t{t}-{n}", "completion", _request(), 0, T0, owner=f"t{t}",
+                                 weight=1.0, extra={"max_running": "1"}, caps=True)  # fmt: skip
+        assert (c := store.claim(f"cap{t}", T0)) is not None and c.job_id == f"t{t}-0"
+    for i in range(50):
+        _put(store, f"a{i}", "alpha", T0 + 1 + i * 0.001)
+    assert _claims(store, 5, T0 + 2, by="x") == [f"a{i}" for i in range(5)]
+    _put(store, "b0", "beta", T0 + 3)
+    assert _claims(store, 1, T0 + 4, by="y") == ["b0"]
