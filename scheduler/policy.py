@@ -14,7 +14,11 @@ Invariants:
   level ``P`` that arrived ``d`` seconds later than a job of level ``P - 1``
   runs first exactly when ``d < level_seconds``;
 - between equal levels the older job runs first (FIFO);
-- a parked job keeps its original ``enqueued_at`` and so the age it earned.
+- a parked job goes back at the key it ran at, and so keeps the age it earned.
+
+With tenants' fair turns (scheduler/fairness.py) a claim may give a job's
+place to another job of its level; the two swap places, so the keys each
+level holds, and so every other level's waits, are as described here.
 """
 
 from __future__ import annotations

@@ -11,10 +11,12 @@ Invariants:
   or resumes (every job makes progress between preemptions);
 - with several runners, the victim is the one with the lowest key among those
   past their minimum run time; no victim while a worker is idle.
-- waiting is bounded: a job's key never changes while it waits, and a job that
+- waiting is bounded: a key never changes while it waits, and a job that
   arrives ``d`` seconds later than it has key lower by ``aging_rate * d``, so
   after at most ``level_gap * level_seconds + margin / aging_rate`` seconds no
-  newly arriving job can preempt it or run before it.
+  newly arriving job can preempt it or run before it. (With tenants' fair
+  turns the bound holds for the place: a job may give its place to another
+  tenant's job of its level and take that one's, scheduler/fairness.py.)
 """
 
 from __future__ import annotations
