@@ -124,23 +124,33 @@ if base and live_base then
     end
   end
   local mine = true
-  local rows = redis.call('ZRANGE', heads, 0, 4 * look - 1, 'WITHSCORES')
-  for i = 1, #rows, 2 do
-    local tenant, t = rows[i], tonumber(rows[i + 1])
-    -- In order of turns: none after is earlier. An equal turn goes to the
-    -- first that fits's tenant, else by score.
-    if t > turn or (t == turn and mine) then break end
-    if tenant ~= owner then
-      local tq = base .. ':tq:' .. level .. ':' .. tenant
-      local other, empty = fair_first(tq, KEYS[1], ARGV[1], claimable, look)
-      if empty then
-        redis.call('ZREM', heads, tenant)
-      elseif other then
-        local job = ARGV[1] .. other
-        local f = redis.call('HMGET', job, 'state', 'model_digest', 'max_running', 'owner')
-        local score = tonumber(redis.call('ZSCORE', KEYS[1], other))
-        if fits(other, job, f) and (t < turn or score < pick_score) then
-          id, turn, pick_score, mine = other, t, score, false
+  local at, done = 0, false
+  while not done and at < 4 * look do
+    -- (in pages: a claim mostly stops at the first turn)
+    local rows = redis.call('ZRANGE', heads, at, at + 7, 'WITHSCORES')
+    if #rows == 0 then break end
+    at = at + 8
+    for i = 1, #rows, 2 do
+      local tenant, t = rows[i], tonumber(rows[i + 1])
+      -- In order of turns: none after is earlier. An equal turn goes to the
+      -- first that fits's tenant, else by score.
+      if t > turn or (t == turn and mine) then
+        done = true
+        break
+      end
+      if tenant ~= owner then
+        local tq = base .. ':tq:' .. level .. ':' .. tenant
+        local other, empty = fair_first(tq, KEYS[1], ARGV[1], claimable, look)
+        if empty then
+          redis.call('ZREM', heads, tenant)
+          at = at - 1  -- (the rows after it moved up one)
+        elseif other then
+          local job = ARGV[1] .. other
+          local f = redis.call('HMGET', job, 'state', 'model_digest', 'max_running', 'owner')
+          local score = tonumber(redis.call('ZSCORE', KEYS[1], other))
+          if fits(other, job, f) and (t < turn or score < pick_score) then
+            id, turn, pick_score, mine = other, t, score, false
+          end
         end
       end
     end
