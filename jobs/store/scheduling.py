@@ -666,7 +666,7 @@ class Store:
                 return victim
             pool = runners
             if fair is not None:
-                pool = self._not_handed_back(int(level or 0), owner or b"", runners)
+                pool = self._not_handed_back(int(level or 0), owner or b"", runners, alive, now)
                 if runners and not pool and not idle:
                     continue  # the claim would hand each runner its place back
             if parks == b"batch":  # its tenant leaves other tenants' interactive work be
@@ -693,11 +693,14 @@ class Store:
         is the earliest (the one a claim would take: lib.lua), when its tenant
         runs fewer of the engine's sequences at that level, over its weight,
         than another tenant would after giving one up (scheduler/fairness.py):
-        that tenant's runner of the lowest key past its minimum run time."""
+        that tenant's runner of the lowest key past its minimum run time. Not
+        one whose tenant's turn, once its job is back, would be no later than
+        that tenant's: the claim would hand the sequence straight back (the
+        parked job goes back at the place it ran in, first at an equal turn)."""
         first = self._first_turn(level, alive, now)
         if first is None:
             return None
-        tenant, weight, parks = first
+        tenant, turn, weight, parks = first
         rows = self._shares(runners)
         held: dict[bytes, float] = {}
         for theirs, their_level, their_weight in rows:
@@ -705,27 +708,32 @@ class Store:
                 held[theirs] = held.get(theirs, 0.0) + 1 / their_weight
         mine = held.get(tenant, 0.0) + 1 / weight
         over = [
-            (r, held[theirs])
+            (r, held[theirs], theirs)
             for r, (theirs, their_level, their_weight) in zip(runners, rows, strict=True)
             if their_level == level and their_weight and theirs != tenant
             and held[theirs] > mine + 1e-9 and self.preempt_policy.ripe(r.since, now)
             and (parks != b"batch" or level <= PRIORITY_LEVELS["batch"])
         ]  # fmt: skip
+        after = self._turns_after(level, sorted({theirs for _, _, theirs in over}))
+        over = [x for x in over if after[x[2]] > turn]
         if not over:
             return None
         return min(over, key=lambda x: (-x[1], x[0].key, x[0].worker))[0]
 
     def _first_turn(
-        self, level: int, alive: set[str], now: float
-    ) -> tuple[bytes, float, bytes | None] | None:
-        """The tenant of the earliest fair turn at ``level`` whose first waiting
-        job any sequence here may take now (this deployment's model, not a
-        parked job left to its checkpoint's holder, its tenant not at its
-        running cap: as the claim's fits), its weight and its parks_others;
-        None when none is found among the 4 LOOK earliest turns."""
+        self, level: int, alive: set[str], now: float, but: bytes | None = None
+    ) -> tuple[bytes, float, float, bytes | None] | None:
+        """The tenant (other than ``but``) of the earliest fair turn at
+        ``level`` whose first waiting job any sequence here may take now (this
+        deployment's model, not a parked job left to its checkpoint's holder,
+        its tenant not at its running cap: as the claim's fits), its turn, its
+        weight and its parks_others; None when none is found among the
+        4 x LOOK earliest turns."""
         k = self.keys
         mine = self.model.digest.encode() if self.model else None
-        for raw in self.r.zrange(k.turns(level), 0, 4 * fairness.LOOK - 1):
+        for raw, turn in self.r.zrange(k.turns(level), 0, 4 * fairness.LOOK - 1, withscores=True):
+            if raw == but:
+                continue
             tenant = as_text(raw)
             first = self.r.zrange(k.tenant_queue(level, tenant), 0, 0)
             if not first:
@@ -747,41 +755,59 @@ class Store:
             )
             if bound or (cap and self._at_running_cap(tenant, int(cap))):
                 continue  # its holder takes it, or nobody may yet
-            return raw, float(weight), parks
+            return raw, float(turn), float(weight), parks
         return None
 
-    def _not_handed_back(self, level: int, owner: bytes, runners: list[Runner]) -> list[Runner]:
-        """Those of ``runners`` a waiting job of ``level`` and tenant ``owner``
-        that takes fair turns may park for its key: not one of another tenant
-        at that level whose turn, once its job is back, would be earlier than
-        every other tenant's waiting there, so that the claim would hand it its
-        place straight back."""
-        rows = self._shares(runners)
-        here = [
-            i for i, (theirs, their_level, w) in enumerate(rows)
-            if their_level == level and w and theirs != owner
-        ]  # fmt: skip
-        if not here:
-            return runners
+    def _turns_after(self, level: int, tenants: list[bytes]) -> dict[bytes, float]:
+        """Each of ``tenants``' turn at ``level`` once a job of its is back in
+        the queue: its turn there if it has jobs waiting, else the later of the
+        level's virtual time and its clock (lib.lua's fair_wait)."""
         k = self.keys
-        tenants = sorted({rows[i][0] for i in here})
         with self.r.pipeline(transaction=False) as p:
             p.hget(k.fair, f"v|{level}")
-            p.zrange(k.turns(level), 0, 4 * fairness.LOOK - 1, withscores=True)
             for t in tenants:
+                p.zscore(k.turns(level), t)
                 p.hget(k.fair, f"c|{level}|{as_text(t)}")
             got = p.execute()
         v = float(got[0] or 0)
-        turns = {t: float(score) for t, score in got[1]}
-        clocks = zip(tenants, got[2:], strict=True)
-        after = {t: turns.get(t, max(v, float(clock or v))) for t, clock in clocks}
+        out = {}
+        for i, t in enumerate(tenants):
+            turn, clock = got[1 + 2 * i], got[2 + 2 * i]
+            try:
+                c = float(clock) if clock is not None else v
+            except ValueError:
+                c = v  # (release 0.2.0's form of a clock)
+            out[t] = float(turn) if turn is not None else max(v, c)
+        return out
 
-        def handed_back(theirs: bytes) -> bool:
-            others = [score for t, score in turns.items() if t != theirs]
-            return not others or after[theirs] < min(others)
-
-        back = {i for i in here if handed_back(rows[i][0])}
-        return [r for i, r in enumerate(runners) if i not in back]
+    def _not_handed_back(
+        self, level: int, owner: bytes, runners: list[Runner], alive: set[str], now: float
+    ) -> list[Runner]:
+        """Those of ``runners`` a waiting job of ``level`` and tenant ``owner``
+        that takes fair turns may park for its key: not one of another tenant
+        at that level whose turn, once its job is back, would come before
+        every other tenant's whose first job fits (at an equal turn, unless
+        that one is the waiting job's tenant): the claim would hand it the
+        place straight back."""
+        rows = self._shares(runners)
+        here = {
+            theirs for theirs, their_level, w in rows
+            if their_level == level and w and theirs != owner
+        }  # fmt: skip
+        if not here:
+            return runners
+        turns = self._turns_after(level, sorted(here))
+        back = set()
+        for theirs in here:
+            first = self._first_turn(level, alive, now, but=theirs)
+            if (
+                first is None
+                or turns[theirs] < first[1]
+                or (turns[theirs] == first[1] and first[0] != owner)
+            ):
+                back.add(theirs)
+        return [r for r, row in zip(runners, rows, strict=True)
+                if not (row[1] == level and row[2] and row[0] in back)]  # fmt: skip
 
     def _shares(self, runners: list[Runner]) -> list[tuple[bytes, int, float]]:
         """Each runner's job's tenant, level and fair weight (0: none)."""

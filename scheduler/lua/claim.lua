@@ -81,7 +81,7 @@ end
 
 -- The job to take: the first that fits; where it takes a fair turn, the
 -- first waiting job that fits of the tenant whose turn at its level is the
--- earliest (lib.lua), looking at the 4 `look` earliest turns (a tenant whose
+-- earliest (lib.lua), looking at the 4 x `look` earliest turns (a tenant whose
 -- first waiting job does not fit is passed over; equal turns go to the first
 -- that fits's tenant, else by score).
 -- The job taken runs in the first one's place (its key: a waiting job that
@@ -115,8 +115,11 @@ if base and live_base then
   local pick_score = head_score
   -- Its tenant's first waiting job, if it fits (the first that fits may be
   -- a later one of the tenant's, in an earlier one's place).
-  local own = fair_first(base .. ':tq:' .. level .. ':' .. owner, KEYS[1], ARGV[1], claimable,
-                         look)
+  local own_tq = base .. ':tq:' .. level .. ':' .. owner
+  local own = nil
+  if redis.call('ZSCORE', own_tq, best) then  -- (not a job queued before its tenant had a queue)
+    own = fair_first(own_tq, KEYS[1], ARGV[1], claimable, look)
+  end
   if own and own ~= best then
     local job = ARGV[1] .. own
     if fits(own, job, redis.call('HMGET', job, 'state', 'model_digest', 'max_running', 'owner')) then
@@ -158,7 +161,10 @@ if base and live_base then
   if id ~= best then
     -- The first takes the place of the one taken: the level's places in the
     -- queue, and so every other level's, are as they would be without turns.
+    -- A parked one left to its checkpoint's holder is left to it no more (its
+    -- holder gave its place away; another process may take it, by replay).
     redis.call('ZADD', KEYS[1], string.format('%.17g', pick_score), best)
+    redis.call('HDEL', ARGV[1] .. best, 'ckpt_worker')
   end
 end
 
