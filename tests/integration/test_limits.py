@@ -377,8 +377,10 @@ def two_seqs(tiny_model: Path, tmp_path_factory: Any) -> Iterator[str]:
 
 
 def _holding_both(url: str, level: int | str) -> tuple[list[str], list[threading.Thread]]:
-    """Three long streamed generations of plain at ``level``: two run, one waits."""
-    body = {"model": "tiny", "prompt": "Flood", "max_tokens": 3000, "ignore_eos": True,
+    """Three long streamed generations of plain at ``level`` (as long as the
+    context allows: seconds even on a fast machine; the tests cancel them):
+    two run, one waits."""
+    body = {"model": "tiny", "prompt": "Flood", "max_tokens": 4000, "ignore_eos": True,
             "temperature": 0, "priority": level, "stream": True}  # fmt: skip
     flood: list[str] = []
 
