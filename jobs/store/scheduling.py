@@ -644,13 +644,7 @@ class Store:
                 continue  # a stale entry: the job ended or runs
             if mine is not None and digest is not None and digest != mine:
                 continue  # another model's: none of these runners can take it
-            bound = (
-                state == b"parked"
-                and holder is not None
-                and as_text(holder) in alive
-                and now - float(parked_at or 0)
-                < max(self.settings.affinity_seconds, float(ran or 0))
-            )
+            bound = self._left_to_holder(state, holder, parked_at, ran, alive, now)
             if bound:
                 held_by = as_text(holder)
                 only = [r for r, proc in zip(runners, procs, strict=True) if proc == held_by]
@@ -685,6 +679,20 @@ class Store:
                 victim = self._over_share(int(level or 0), runners, alive, now)
             return NO_ONE if victim is None else victim  # the best job anyone may take decides
         return None
+
+    def _left_to_holder(
+        self, state: bytes | None, holder: bytes | None, parked_at: bytes | None,
+        ran: bytes | None, alive: set[str], now: float,
+    ) -> bool:  # fmt: skip
+        """Whether a waiting job (its record's state, ckpt_worker, parked_at and
+        run_seconds) is a parked one left to its checkpoint's holder, a live
+        process, for now (claim.lua's fits: the affinity window)."""
+        return (
+            state == b"parked"
+            and holder is not None
+            and as_text(holder) in alive
+            and now - float(parked_at or 0) < max(self.settings.affinity_seconds, float(ran or 0))
+        )
 
     def _over_share(
         self, level: int, runners: list[Runner], alive: set[str], now: float
@@ -746,13 +754,7 @@ class Store:
                 continue  # ended (the claim drops it), or queued without a weight
             if mine is not None and digest is not None and digest != mine:
                 continue
-            bound = (
-                state == b"parked"
-                and holder is not None
-                and as_text(holder) in alive
-                and now - float(parked_at or 0)
-                < max(self.settings.affinity_seconds, float(ran or 0))
-            )
+            bound = self._left_to_holder(state, holder, parked_at, ran, alive, now)
             if bound or (cap and self._at_running_cap(tenant, int(cap))):
                 continue  # its holder takes it, or nobody may yet
             return raw, float(turn), float(weight), parks

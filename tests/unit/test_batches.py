@@ -401,6 +401,20 @@ def test_the_janitor_drops_gone_ids_from_every_tenants_index(
     assert [f["id"] for f in store.list_files(owner="t2")] == [other["id"]]
 
 
+def _run_to_end(
+    settings: Settings, r: fakeredis.FakeRedis, client: FlaskClient, batch_id: str
+) -> dict[str, Any]:
+    """A worker runs until the batch has ended; the batch then."""
+    w = Worker(settings, FakeEngine(), r, name="w1")
+    thread = threading.Thread(target=w.run)
+    thread.start()
+    try:
+        return _wait_status(client, batch_id, {"completed", "failed"})
+    finally:
+        w.stop()
+        thread.join(timeout=10)
+
+
 def test_a_validation_started_late_by_a_reader_changes_nothing(
     bsettings: Settings, fake_redis: fakeredis.FakeRedis
 ) -> None:
@@ -423,14 +437,7 @@ def test_a_validation_started_late_by_a_reader_changes_nothing(
     while fake_redis.exists(k.batch_validation_lock(batch_id)) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert fake_redis.lrange(k.batch_items(batch_id), 0, -1) == lines
-    w = Worker(bsettings, FakeEngine(), fake_redis, name="w1")
-    thread = threading.Thread(target=w.run)
-    thread.start()
-    try:
-        done = _wait_status(client, batch_id, {"completed", "failed"})
-    finally:
-        w.stop()
-        thread.join(timeout=10)
+    done = _run_to_end(bsettings, fake_redis, client, batch_id)
     assert done["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
 
 
@@ -463,14 +470,7 @@ def test_a_validation_after_one_that_died_stores_each_line_once(
     )
     gate.set()
     _wait_status(client, batch_id, {"in_progress"})
-    w = Worker(bsettings, FakeEngine(), fake_redis, name="w1")
-    thread = threading.Thread(target=w.run)
-    thread.start()
-    try:
-        done = _wait_status(client, batch_id, {"completed", "failed"})
-    finally:
-        w.stop()
-        thread.join(timeout=10)
+    done = _run_to_end(bsettings, fake_redis, client, batch_id)
     assert done["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
     assert sorted(x["custom_id"] for x in _jsonl(client, done["output_file_id"])) == [
         f"r{i}" for i in range(4)

@@ -238,6 +238,15 @@ def test_the_janitor_drops_what_no_longer_counts(
     assert not fake_redis.exists(k.tenant_queue(0, "delta"))
 
 
+def _arrivals(gap: float) -> st.SearchStrategy[list[tuple[str, float, int, int, int, bool]]]:
+    """Jobs of tenants a, b and c: each its tenant, the seconds since the last
+    (up to ``gap``), its max_tokens, its level, how many claims come after it
+    and a flag (what the test does after those claims)."""
+    one = st.tuples(st.sampled_from(["a", "b", "c"]), st.floats(0, gap), st.integers(1, 400),
+                    st.sampled_from([0, 1, 10]), st.integers(0, 2), st.booleans())  # fmt: skip
+    return st.lists(one, min_size=1, max_size=40)
+
+
 def _places(
     fair: bool, arrivals: list[tuple[str, float, int, int, int, bool]]
 ) -> list[tuple[str, str]]:
@@ -263,20 +272,7 @@ def _places(
 
 
 @hsettings(max_examples=80, deadline=None)
-@given(
-    arrivals=st.lists(
-        st.tuples(
-            st.sampled_from(["a", "b", "c"]),
-            st.floats(0, 700),
-            st.integers(1, 400),
-            st.sampled_from([0, 1, 10]),
-            st.integers(0, 2),
-            st.booleans(),
-        ),
-        min_size=1,
-        max_size=40,
-    )
-)
+@given(arrivals=_arrivals(700))
 @example(
     arrivals=[("a", 0.0, 100, 0, 0, False), ("a", 0.0, 100, 0, 1, False)]
     + [("c", 20.0, 100, 1, 0, False)] * 4 + [("b", 1.0, 100, 0, 0, False)]
@@ -307,18 +303,7 @@ def test_turns_leave_every_levels_places_as_without_them(
 
 @hsettings(max_examples=80, deadline=None)
 @given(
-    arrivals=st.lists(
-        st.tuples(
-            st.sampled_from(["a", "b", "c"]),
-            st.floats(0, 20),
-            st.integers(1, 400),
-            st.sampled_from([0, 1, 10]),
-            st.integers(0, 2),
-            st.booleans(),
-        ),
-        min_size=1,
-        max_size=40,
-    ),
+    arrivals=_arrivals(20),
     weights=st.tuples(*[st.sampled_from([0.5, 1.0, 3.0])] * 3),
 )
 @example(arrivals=[("a", 0.0, 100, 0, 0, False)] * 5 + [("b", 1.0, 100, 0, 0, False)],
