@@ -64,8 +64,8 @@ levels):
 - while two tenants both have jobs waiting at a level, the expected tokens
   over weight claimed for one never lead the other's by more than their
   largest jobs' (the bound of start-time fair queueing);
-and by examples: a flood, however old, holds another tenant's request back
-one turn at most; weights 2:1 take turns 2:1; a cancelled flood is not
+and by examples: a flood, sent at once or waiting 300 s, holds another
+tenant's request back one turn at most; weights 2:1 take turns 2:1; a cancelled flood is not
 charged; a tenant that ran alone owes one turn, not all it ran; a backlog's
 parked jobs do not win every equal turn; 40 tenants passed over for their
 caps do not hide the next turn; which runner a tenant under its share parks,

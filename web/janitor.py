@@ -50,58 +50,6 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 end
 return 0
 """
-#: Drops what of the tenants' fair turns no longer counts (scheduler/fairness.py,
-#: lib.lua): a tenant from a level's turns when the first of its queue there is
-#: not waiting (a job that ended other than by a claim or a cancel; at most
-#: ARGV[3] of them dropped per tenant a sweep, the tenant once its queue is
-#: empty), and a clock of a tenant with nothing waiting at the level that its
-#: virtual time has passed (its next turn is the level's then), and release
-#: 0.2.0's fields. KEYS[1]: the fair hash, KEYS[2]: the queue; ARGV: the job
-#: key prefix, the keys' base, the budget.
-_FAIR_SWEEP = """
-local all = redis.call('HGETALL', KEYS[1])
-local v = {}
-for i = 1, #all, 2 do
-  local level = string.match(all[i], '^v|(.*)$')
-  if level then v[level] = tonumber(all[i + 1]) or 0 end
-end
-local budget = tonumber(ARGV[3])
-for level, _ in pairs(v) do
-  local heads = ARGV[2] .. ':heads:' .. level
-  for _, tenant in ipairs(redis.call('ZRANGE', heads, 0, -1)) do
-    local tq = ARGV[2] .. ':tq:' .. level .. ':' .. tenant
-    for _ = 1, budget do
-      local top = redis.call('ZRANGE', tq, 0, 0)
-      if #top == 0 then
-        redis.call('ZREM', heads, tenant)
-        break
-      end
-      local state = redis.call('HGET', ARGV[1] .. top[1], 'state')
-      if (state == 'queued' or state == 'parked') and redis.call('ZSCORE', KEYS[2], top[1]) then
-        break
-      end
-      redis.call('ZREM', tq, top[1])
-    end
-  end
-end
-for i = 1, #all, 2 do
-  local field = all[i]
-  local head = string.sub(field, 1, 2)
-  if head == 'g|' or string.sub(field, 1, 5) == 'g_at|' then
-    redis.call('HDEL', KEYS[1], field)
-  elseif head == 'c|' then
-    local level, tenant = string.match(field, '^c|([^|]*)|(.*)$')
-    local clock = tonumber(all[i + 1])
-    if not clock or not level then
-      redis.call('HDEL', KEYS[1], field)
-    elseif clock <= (v[level] or 0)
-        and not redis.call('ZSCORE', ARGV[2] .. ':heads:' .. level, tenant) then
-      redis.call('HDEL', KEYS[1], field)
-    end
-  end
-end
-return #all / 2
-"""
 #: How many entries of jobs no longer waiting a sweep drops from each tenant's
 #: queue of fair turns (the claim drops them too: lib.lua's fair_first).
 FAIR_BUDGET = 100
@@ -243,9 +191,8 @@ class Janitor:
 
     def _fair(self) -> None:
         """Drop the fair clocks that no longer matter (scheduler/fairness.py)."""
-        k = self.store.keys
-        self.store.r.eval(_FAIR_SWEEP, 2, k.fair, k.queue, k.job_prefix, k.base, FAIR_BUDGET)
-        self.store.r.unlink(k.fair_earlier)  # (a development build's, in other units)
+        self.store.sweep_fair_turns(FAIR_BUDGET)
+        self.store.r.unlink(self.store.keys.fair_earlier)  # (a development build's)
 
     def _batches(self) -> int:
         """Bring every open batch up to date as a read would; how many were open."""

@@ -253,6 +253,7 @@ class Store:
             for name in (
                 "enqueue",
                 "claim",
+                "fair_sweep",
                 "step",
                 "finish",
                 "park",
@@ -424,6 +425,12 @@ class Store:
             except JobEnded:
                 continue
         return out
+
+    def sweep_fair_turns(self, budget: int) -> None:
+        """Drop what of the tenants' fair turns no longer counts (fair_sweep.lua),
+        at most ``budget`` entries of ended jobs per tenant's queue."""
+        k = self.keys
+        self._run("fair_sweep", [k.fair, k.queue], [k.job_prefix, k.base, budget])
 
     def _fair_args(self, weight: float) -> list[Any]:
         """The fair turn's arguments of enqueue.lua and feed.lua: the tenant's

@@ -79,6 +79,12 @@ local function fits(id, job, f)
   return true
 end
 
+-- Whether this worker may take the waiting job `id` (fits, its record read).
+local function fits_id(id)
+  local job = ARGV[1] .. id
+  return fits(id, job, redis.call('HMGET', job, 'state', 'model_digest', 'max_running', 'owner'))
+end
+
 -- The job to take: the first that fits; where it takes a fair turn, the
 -- first waiting job that fits of the tenant whose turn at its level is the
 -- earliest (lib.lua), looking at the 4 x `look` earliest turns (a tenant whose
@@ -120,11 +126,8 @@ if base and live_base then
   if redis.call('ZSCORE', own_tq, best) then  -- (not a job queued before its tenant had a queue)
     own = fair_first(own_tq, KEYS[1], ARGV[1], claimable, look)
   end
-  if own and own ~= best then
-    local job = ARGV[1] .. own
-    if fits(own, job, redis.call('HMGET', job, 'state', 'model_digest', 'max_running', 'owner')) then
-      id, pick_score = own, tonumber(redis.call('ZSCORE', KEYS[1], own))
-    end
+  if own and own ~= best and fits_id(own) then
+    id, pick_score = own, tonumber(redis.call('ZSCORE', KEYS[1], own))
   end
   local mine = true
   local at, done = 0, false
@@ -148,10 +151,8 @@ if base and live_base then
           redis.call('ZREM', heads, tenant)
           at = at - 1  -- (the rows after it moved up one)
         elseif other then
-          local job = ARGV[1] .. other
-          local f = redis.call('HMGET', job, 'state', 'model_digest', 'max_running', 'owner')
           local score = tonumber(redis.call('ZSCORE', KEYS[1], other))
-          if fits(other, job, f) and (t < turn or score < pick_score) then
+          if (t < turn or score < pick_score) and fits_id(other) then
             id, turn, pick_score, mine = other, t, score, false
           end
         end

@@ -202,14 +202,17 @@ end
 
 -- A job stops waiting (claimed or cancelled): off its tenant's queue, and the
 -- tenant off the level's turns when nothing of it waits there.
-local function fair_unwait(job, id)
-  local base, level, owner = fair_of(job)
-  if not base then return end
+local function fair_unlist(base, level, owner, id)
   local tq = base .. ':tq:' .. level .. ':' .. owner
   redis.call('ZREM', tq, id)
   if redis.call('ZCARD', tq) == 0 then
     redis.call('ZREM', base .. ':heads:' .. level, owner)
   end
+end
+
+local function fair_unwait(job, id)
+  local base, level, owner = fair_of(job)
+  if base then fair_unlist(base, level, owner, id) end
 end
 
 -- A claimed job took its tenant's turn `turn` (nil: the tenant's turn now).
@@ -240,7 +243,7 @@ local function fair_claimed(job, id, turn)
     local c = tonumber(redis.call('HGET', fair, clock) or '') or v
     redis.call('HSET', fair, clock, string.format('%.17g', math.max(c, turn + 1 / weight)))
   end
-  fair_unwait(job, id)
+  fair_unlist(base, level, owner, id)
   local heads = base .. ':heads:' .. level
   if redis.call('ZSCORE', heads, owner) then
     redis.call('ZADD', heads, string.format('%.17g', fair_turn(base, level, owner)), owner)

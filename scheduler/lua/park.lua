@@ -21,7 +21,9 @@ if ok and type(saved) == 'table' and tonumber(saved['events'] or 0) > have then
   return {-4, have}
 end
 local place = nil  -- (the place it ran in: lib.lua's requeue_score)
-if redis.call('HGET', KEYS[3], 'exec') == ARGV[1] then place = redis.call('HGET', KEYS[3], 'key') end
+if redis.call('HGET', KEYS[3], 'exec') == ARGV[1] then
+  place = redis.call('HGET', KEYS[3], 'key')
+end
 release_worker(KEYS[3], KEYS[4], ARGV[4], ARGV[1])
 if redis.call('HEXISTS', KEYS[1], 'cancel') == 1 then
   emit_after(KEYS[1], KEYS[6], ARGV[5], 9)

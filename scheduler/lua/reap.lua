@@ -7,9 +7,9 @@
 --       one), '1' to count a crash of their jobs ('0': requeue without counting),
 --       failure payloads...
 -- A job whose worker died while running it goes back to the queue at the
--- place it ran in (lib.lua's requeue_score); it resumes from its last checkpoint (or from the start),
--- and its stream continues without duplicates. A job that has lost its worker
--- `crash limit` times fails instead.
+-- place it ran in (lib.lua's requeue_score); it resumes from its last
+-- checkpoint (or from the start), and its stream continues without duplicates.
+-- A job that has lost its worker `crash limit` times fails instead.
 -- Returns a flat list: worker, job id or '', outcome ('requeued', 'failed', ''),
 -- the worker's process.
 local out = {}
