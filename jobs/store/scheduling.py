@@ -59,6 +59,11 @@ SCAN_LIMIT = 4096
 #: Pages a preemption check reads (it runs at every enqueue and, while a better
 #: job waits, every 100 ms per running job).
 PREEMPT_PAGES = 4
+#: The queue entries a preemption check reads first: the first job that may run
+#: decides, and it is nearly always among the first few; the check reads on
+#: in pages of QUEUE_PAGE only past them (up to QUEUE_PAGE x PREEMPT_PAGES
+#: entries in all).
+PREEMPT_FIRST_PAGE = 8
 #: A preemption check's answer: the best job that may run interrupts no one.
 NO_ONE = "no one"
 
@@ -554,6 +559,11 @@ class Store:
         Only workers that can run this store's jobs count (the same model, or
         one that announced none).
         """
+        runners, idle, tokens, procs, _ = self._runners(now)
+        return runners, idle, tokens, procs
+
+    def _runners(self, now: float) -> tuple[list[Runner], int, list[str], list[str], set[str]]:
+        """:meth:`runners`, and the names of every live worker (any model's)."""
         k = self.keys
         with self.r.pipeline(transaction=False) as p:
             p.zrangebyscore(k.workers, now, "+inf")
@@ -584,7 +594,7 @@ class Store:
             procs.append(w if proc is None else as_text(proc))
         # A worker that just went idle counts as idle: no one is preempted for a
         # job it is about to claim.
-        return runners, peers - working, tokens, procs
+        return runners, peers - working, tokens, procs, set(alive)
 
     def maybe_preempt(self, now: float) -> str | None:
         """Flag the worker whose job the best waiting job should interrupt.
@@ -596,11 +606,10 @@ class Store:
         anyone else would free an engine that could not take it. Such a job is
         passed over for the next waiting one, which anyone may take.
         """
-        head = self.r.zrange(self.keys.queue, 0, QUEUE_PAGE - 1, withscores=True)
-        if not head:
-            return None
-        runners, idle, tokens, procs = self.runners(now)
-        alive = {as_text(w) for w in self.r.zrangebyscore(self.keys.workers, now, "+inf")}
+        runners, idle, tokens, procs, alive = self._runners(now)
+        if not runners:
+            return None  # no one to interrupt (read first: an idle engine's case)
+        head = self.r.zrange(self.keys.queue, 0, PREEMPT_FIRST_PAGE - 1, withscores=True)
         mine = self.model.digest.encode() if self.model else None
         first = 0
         while head and first < QUEUE_PAGE * PREEMPT_PAGES:

@@ -241,6 +241,8 @@ class Executions:
     stopping: threading.Event
     #: A step write saw a waiting job: free sequences claim at the next step.
     _work_waiting: bool
+    #: When (monotonic) a step write last read the queue's head.
+    _head_read_at: float
     #: Inter-token latencies not yet in Redis: observations per bucket, and the
     #: sum of their milliseconds (written at each beat and at each job's end, one
     #: round trip, not three commands in every step write).
@@ -475,6 +477,7 @@ class Executions:
             bucket = bucket_of(latency_ms)
             self._gaps[bucket] = self._gaps.get(bucket, 0) + step.written
             self._gaps_ms += latency_ms * step.written
+        self._head_read_at = time.monotonic()
         if step.head_key is not None:
             self._work_waiting = True
         if self.stopping.is_set():

@@ -96,8 +96,13 @@ EWMA = 0.2
 
 
 #: A sequence that is free claims at the next step when a step write saw a
-#: waiting job, else at least this often.
+#: waiting job, else at least this often, unless a step write saw the queue
+#: empty within that time (steps of prompt chunks write nothing). Every step
+#: write reads the queue's head; a claim script every 0.1 s took about 1.5 %
+#: of a lone stream's steps.
 CLAIM_SECONDS = 0.1
+#: ... and at least this often, whatever the step writes saw.
+CLAIM_BACKSTOP_SECONDS = 1.0
 
 
 def resident_bytes() -> int:
@@ -142,7 +147,9 @@ class Worker(Executions):
         self._decode_ms: dict[int, float] = {}
         self._prefill_ms: float | None = None
         self._next_claim = 0.0
+        self._backstop = 0.0
         self._work_waiting = False
+        self._head_read_at = -1e9
         self.stopping = threading.Event()
         self._next_beat = 0.0
         self._next_clock_flush = 0.0
@@ -276,9 +283,13 @@ class Worker(Executions):
         if not free:
             return
         now_m = time.monotonic()
-        if self._running and not self._work_waiting and now_m < self._next_claim:
-            return
+        if self._running and not self._work_waiting:
+            if now_m < self._next_claim:
+                return
+            if now_m - self._head_read_at < CLAIM_SECONDS and now_m < self._backstop:
+                return  # a step write just saw the queue empty
         self._next_claim = now_m + CLAIM_SECONDS
+        self._backstop = now_m + CLAIM_BACKSTOP_SECONDS
         self._work_waiting = False
         for slot in free:
             if slot.index in self._returning:  # (a beat during a start found it stale)

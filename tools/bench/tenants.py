@@ -3,7 +3,7 @@ queued jobs of 100 tenants, with fair turns and without, and the batch feed
 script with and without a tenant's token rate.
 
     python -m tools.bench.tenants [--jobs 10000] [--tenants 100] [--claims 2000]
-        [--feeds 2000] [--out FILE.json]
+        [--feeds 2000] [--checks 2000] [--out FILE.json]
 
 Starts one `redis-server` (loopback) and drives parkq's own scripts
 (jobs/store/scheduling.py) with no engine:
@@ -18,6 +18,11 @@ Starts one `redis-server` (loopback) and drives parkq's own scripts
 - **feed**: a batch of ``--feeds`` lines fed one at a time (each fed line then
   marked ended, as a worker would end it), once with no token rate and once
   with one that never runs dry: the rate's own cost per fed line.
+
+- **preemption check**: the check each submission makes
+  (``Store.maybe_preempt``), ``--checks`` times, with the ``--jobs`` waiting
+  jobs behind a running one (they decide that no one is interrupted) and on
+  an idle engine: the client's time and Redis commands per check.
 
 Redis time per call is INFO commandstats' (``evalsha``, microseconds per call,
 reset before each part); the client's round trip is beside it.
@@ -77,6 +82,43 @@ def claim_cost(url: str, jobs: int, tenants: int, claims: int, fair: bool) -> di
     }
 
 
+def preempt_cost(url: str, jobs: int, tenants: int, checks: int, busy: bool) -> dict[str, Any]:
+    """The preemption check a submission makes (Store.maybe_preempt) with
+    ``jobs`` waiting jobs of one level behind it: on an engine whose one
+    sequence runs the first of them (``busy``: the waiting jobs then decide
+    that no one is interrupted) or on an idle engine."""
+    prefix = "busy" if busy else "idle"
+    settings = load_settings(redis_url=url, key_prefix=prefix, queue_name=prefix,
+                             max_queue=10**7)  # fmt: skip
+    r = redis.Redis.from_url(url)
+    store = Store(r, settings)
+    request = {"prompt_ids": [1] * 10, "max_tokens": 64}
+    for i in range(jobs + 1):
+        store.enqueue(f"j-{i}", "completion", request, 0, time.time(),
+                      owner=f"tenant-{i % tenants}", weight=1.0)  # fmt: skip
+    store.workers.heartbeat("seq-0", now=time.time(), ttl=3600, proc="proc")
+    if busy:
+        assert store.claim("seq-0", time.time(), "proc") is not None
+    r.config_resetstat()
+    walls = []
+    for _ in range(checks):
+        t0 = time.perf_counter()
+        assert store.maybe_preempt(time.time()) is None
+        walls.append(time.perf_counter() - t0)
+    stats = r.info("commandstats")
+    commands = sum(int(v["calls"]) for k, v in stats.items() if "resetstat" not in k)
+    r.delete(*r.keys("{" + prefix + "}*") or ["none"])
+    walls.sort()
+    return {
+        "engine": "busy" if busy else "idle",
+        "waiting": jobs,
+        "checks": checks,
+        "redis_commands_per_check": round(commands / checks, 1),
+        "client_ms_p50": round(1000 * walls[len(walls) // 2], 3),
+        "client_ms_p99": round(1000 * walls[int(len(walls) * 0.99)], 3),
+    }
+
+
 def feed_cost(url: str, lines: int, rate: int) -> dict[str, Any]:
     prefix = f"feed{rate}"
     settings = load_settings(redis_url=url, key_prefix=prefix, queue_name=prefix,
@@ -116,6 +158,7 @@ def main() -> None:
     ap.add_argument("--tenants", type=int, default=100)
     ap.add_argument("--claims", type=int, default=2000)
     ap.add_argument("--feeds", type=int, default=2000)
+    ap.add_argument("--checks", type=int, default=2000)
     args = ap.parse_args()
     with scratch_redis("tenants") as url:
         version = redis.Redis.from_url(url).info("server")["redis_version"]
@@ -126,12 +169,17 @@ def main() -> None:
         feeds = [feed_cost(url, args.feeds, rate) for rate in (0, 10**9)]
         for row in feeds:
             print(json.dumps(row), flush=True)
+        checks = [preempt_cost(url, args.jobs, args.tenants, args.checks, busy)
+                  for busy in (True, False)]  # fmt: skip
+        for row in checks:
+            print(json.dumps(row), flush=True)
     results = {
         "machine": machine(),
         "redis": version,
         "date": time.strftime("%Y-%m-%d"),
         "claim": claim,
         "feed": feeds,
+        "preempt_check": checks,
     }
     write_results(args.out, results)
 
