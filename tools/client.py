@@ -3,23 +3,40 @@ session that retries, a /metrics counter and percentiles of what was measured.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import requests
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-__all__ = ["DONE", "events", "percentile", "read_counter", "retrying_session"]
+__all__ = ["DONE", "events", "lines", "percentile", "read_counter", "retrying_session"]
 
 DONE = "[DONE]"
+
+
+def lines(chunks: Iterable[bytes]) -> Iterator[str]:
+    """The lines of an SSE body that arrives in ``chunks`` (cut anywhere, even
+    inside a character), each without its end: LF or CR LF, as the servers
+    here end them. Only those end a line: text that holds other line breaks of
+    Unicode (U+2028, NEL, a form feed; a JSON string may carry them
+    unescaped) stays in its line, where ``str.splitlines`` (requests'
+    ``iter_lines``) would cut it."""
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        *done, pending = pending.split(b"\n")
+        for line in done:
+            yield line.removesuffix(b"\r").decode("utf-8", "replace")
+    if pending:
+        yield pending.removesuffix(b"\r").decode("utf-8", "replace")
 
 
 def events(resp: requests.Response) -> Iterator[tuple[str, str]]:
     """``(id, data)`` of each event of an SSE response as it arrives, to the
     ``[DONE]`` event (included) or the end of the stream."""
     event_id = ""
-    for line in resp.iter_lines(decode_unicode=True):
+    for line in lines(resp.iter_content(chunk_size=None)):
         if line.startswith("id: "):
             event_id = line[4:]
         elif line.startswith("data: "):

@@ -9,8 +9,9 @@ greedy and with the openai client's default sampling, beside llama.cpp's own ser
 For each sequence count (``default``: unset, what parkq chooses on this
 machine), starts `parkq up` (embedded Redis, web, one worker) on the model
 (default: the demo model), warms it, then for each sampling arm and client
-count sends that many completions at the same moment and records when each
-token arrives (``--routes responses``: also the same prompts as streamed
+count sends that many completions at the same moment (each burst's prompts
+new ones, so that no server evaluates less of them from a cache) and records
+when each token arrives (``--routes responses``: also the same prompts as streamed
 responses of the Responses API, rows ``parkq responses``; through the chat
 template, so their prompts are a few tokens longer). Then the same bursts
 against ``llama-server`` (``--peer-server``, default the one ``python -m
@@ -29,6 +30,7 @@ JSON.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import statistics
 import threading
@@ -44,6 +46,9 @@ from tools.bench.llama_server import llama_server_path, running_llama_server
 from tools.bench.workload import Request, stream, stream_response
 from tools.client import percentile
 
+#: Bursts so far in this process (each one's prompts are its own).
+ROUNDS = itertools.count()
+
 
 def burst(
     base_url: str,
@@ -58,8 +63,15 @@ def burst(
     url = f"{base_url}/v1/{route}"
     reqs = [Request("short", 0.0) for _ in range(clients)]
     fields = SAMPLING["greedy"]["parkq"] if sampling is None else sampling
+    # Every prompt of the run is new, from its first token on: llama-server
+    # keeps each slot's last prompt and evaluates only what follows the part
+    # a new prompt shares with it (a repeated prompt: 8 of its 13 tokens
+    # reused), which parkq does not; both servers so do the same work. (The
+    # round's number has a fixed width: one token per digit, the same length.)
+    round_ = next(ROUNDS)
     bodies = [
-        {"prompt": f"Question {i}: what is a parking queue?\nAnswer:", "max_tokens": tokens,
+        {"prompt": f"Round {round_:05d}, question {i}: what is a parking queue?\nAnswer:",
+         "max_tokens": tokens,
          "ignore_eos": True, "priority": "interactive", "seed": i,
          "stream_options": {"include_usage": True}, **fields}
         for i in range(clients)
