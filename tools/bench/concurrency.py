@@ -63,11 +63,11 @@ def burst(
     url = f"{base_url}/v1/{route}"
     reqs = [Request("short", 0.0) for _ in range(clients)]
     fields = SAMPLING["greedy"]["parkq"] if sampling is None else sampling
-    # Every prompt of the run is new, from its first token on: llama-server
-    # keeps each slot's last prompt and evaluates only what follows the part
-    # a new prompt shares with it (a repeated prompt: 8 of its 13 tokens
-    # reused), which parkq does not; both servers so do the same work. (The
-    # round's number has a fixed width: one token per digit, the same length.)
+    # Every prompt of the run is new from its first token on, so that neither
+    # server evaluates less of it from a cache: llama-server keeps each slot's
+    # last prompt and evaluates only what follows the part a new prompt shares
+    # with it (a repeated 13-token prompt: 5 tokens evaluated). (The round's
+    # number has a fixed width: one token per digit, prompts of one length.)
     round_ = next(ROUNDS)
     bodies = [
         {"prompt": f"Round {round_:05d}, question {i}: what is a parking queue?\nAnswer:",
