@@ -13,11 +13,13 @@ count sends that many completions at the same moment (each burst's prompts
 new ones, so that no server evaluates less of them from a cache) and records
 when each token arrives (``--routes responses``: also the same prompts as streamed
 responses of the Responses API, rows ``parkq responses``; through the chat
-template, so their prompts are a few tokens longer). Then the same bursts
-against ``llama-server`` (``--peer-server``, default the one ``python -m
-tools.bench.llama_server build`` cached; ``none`` to skip) with ``-np`` equal
-to the largest sequence count, the same threads, context per sequence and
-kernel path, asked for the same distributions. Prints, per cell: failed
+template, so their prompts are a few tokens longer). Each burst is followed
+by the same burst against ``llama-server`` (``--peer-server``, default the one
+``python -m tools.bench.llama_server build`` cached; ``none`` to skip), started
+before parkq and idle while parkq answers, with ``-np`` equal to the largest
+sequence count, the same threads, context per sequence and kernel path, asked
+for the same distributions: a machine whose speed drifts moves both sides of
+each comparison alike. Prints, per cell: failed
 requests, TTFT p50 / p95 / max over the answered ones, inter-token p95, the
 aggregate tokens per second (all tokens over the wall time from the first
 request to the last ``[DONE]``), each the median of ``--repeat`` bursts (3; the
@@ -232,7 +234,7 @@ def main() -> None:
     # "default": PARKQ_MAX_SEQS unset, what `parkq up` chooses here.
     seqs_list = [None if x == "default" else int(x) for x in args.seqs.split(",")]
     rows = []
-    resolved: list[int] = []
+    plans: list[tuple[str, Any]] = []
     for seqs in seqs_list:
         overrides: dict[str, Any] = {"port": 0, "log_level": "WARNING", "max_seqs": seqs}
         overrides["model"] = args.model or _demo_model()
@@ -247,46 +249,53 @@ def main() -> None:
         settings = load_settings(**overrides)
         plan = sequence_plan(settings)
         chosen = plan.max_seqs
-        resolved.append(chosen)
         # The worker gets what was planned here (it would plan the same, unless
         # the free memory moved in between).
         settings = settings.model_copy(update={"max_seqs": chosen, "parked_seqs": plan.parked_seqs})
-        label = f"{chosen}" if seqs is not None else f"default ({chosen})"
-        with Stack(settings) as stack:
-            url = stack.settings.redis_url or ""
-            burst(stack.base_url, 1, 8)  # warm: the model's pages, the first prefill
-            runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
-            cells = [(arm, route) for arm in arms for route in routes]
-            for _, (arm, route), clients in rounds(args.repeat, cells, clients_list):
-                fields = SAMPLING[arm]["parkq"]
-                before = counters(url, stack.settings)
-                run = burst(stack.base_url, clients, args.tokens, fields, route)
-                run["step_split_pct"] = step_split(url, stack.settings, before)
-                runs.setdefault((arm, route, clients), []).append(run)
-                print({"system": _system(route), "max_seqs": label, "sampling": arm, **run},
-                      flush=True)  # fmt: skip
-            for (arm, route, _n), got in runs.items():
-                rows.append({"system": _system(route), "max_seqs": label, "sampling": arm,
-                             **median_row(got)})  # fmt: skip
+        plans.append((f"{chosen}" if seqs is not None else f"default ({chosen})", settings))
+    most = max(s.max_seqs or 1 for _, s in plans)
     peer = _peer_binary(args.peer_server)
-    if peer is not None:
-        settings = settings.model_copy(update={"max_seqs": max(resolved)})
-        extra = worker_kernels(settings)
-        threads = settings.n_threads or len(os.sched_getaffinity(0))
-        layers = gpu_layers(settings.n_gpu_layers)
-        with running_llama_server(peer, model=settings.model or "", seqs=max(resolved),
-                                  n_ctx=settings.n_ctx, threads=threads,
-                                  extra_buffers=extra.extra_buffers, gpu_layers=layers,
-                                  flash_attn=worker_attention(settings)) as base:  # fmt: skip
-            burst(base, 1, 8)
-            peer_runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
-            for _, arm, clients in rounds(args.repeat, arms, clients_list):
-                run = burst(base, clients, args.tokens, SAMPLING[arm]["llama-server"])
-                peer_runs.setdefault((arm, clients), []).append(run)
-                print({"system": "llama-server", "sampling": arm, **run}, flush=True)
-            for (arm, _n), got in peer_runs.items():
-                rows.append({"system": "llama-server", "max_seqs": max(resolved),
-                             "sampling": arm, **median_row(got)})  # fmt: skip
+    peer_runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    with contextlib.ExitStack() as held:
+        base = None
+        if peer is not None:
+            # Started first and left idle while parkq answers (and parkq idle
+            # while it answers): each parkq burst is followed by the same burst
+            # against the peer, so a machine whose speed drifts (a shared VM)
+            # moves both sides of every comparison alike.
+            settings = settings.model_copy(update={"max_seqs": most})
+            extra = worker_kernels(settings)
+            threads = settings.n_threads or len(os.sched_getaffinity(0))
+            layers = gpu_layers(settings.n_gpu_layers)
+            base = held.enter_context(running_llama_server(
+                peer, model=settings.model or "", seqs=most, n_ctx=settings.n_ctx,
+                threads=threads, extra_buffers=extra.extra_buffers, gpu_layers=layers,
+                flash_attn=worker_attention(settings)))  # fmt: skip
+            burst(base, 1, 8)  # warm
+        for label, settings in plans:
+            with Stack(settings) as stack:
+                url = stack.settings.redis_url or ""
+                burst(stack.base_url, 1, 8)  # warm: the model's pages, the first prefill
+                runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+                cells = [(arm, route) for arm in arms for route in routes]
+                for _, (arm, route), clients in rounds(args.repeat, cells, clients_list):
+                    fields = SAMPLING[arm]["parkq"]
+                    before = counters(url, stack.settings)
+                    run = burst(stack.base_url, clients, args.tokens, fields, route)
+                    run["step_split_pct"] = step_split(url, stack.settings, before)
+                    runs.setdefault((arm, route, clients), []).append(run)
+                    print({"system": _system(route), "max_seqs": label, "sampling": arm, **run},
+                          flush=True)  # fmt: skip
+                    if base is not None and route == routes[0]:
+                        run = burst(base, clients, args.tokens, SAMPLING[arm]["llama-server"])
+                        peer_runs.setdefault((arm, clients), []).append(run)
+                        print({"system": "llama-server", "sampling": arm, **run}, flush=True)
+                for (arm, route, _n), got in runs.items():
+                    rows.append({"system": _system(route), "max_seqs": label, "sampling": arm,
+                                 **median_row(got)})  # fmt: skip
+    for (arm, _n), got in peer_runs.items():
+        rows.append({"system": "llama-server", "max_seqs": most, "sampling": arm,
+                     **median_row(got)})  # fmt: skip
     print(f"\n{'system':>12} {'seqs':>11} {'sampling':>8} {'clients':>7} {'failed':>6} "
           f"{'TTFT p50':>9} {'p95':>8} {'max':>8} {'ITL p95':>8} {'tok/s':>7}  "
           "step: engine/sampling/redis/other %")  # fmt: skip
