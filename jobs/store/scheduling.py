@@ -562,13 +562,18 @@ class Store:
         runners, idle, tokens, procs, _ = self._runners(now)
         return runners, idle, tokens, procs
 
-    def _runners(self, now: float) -> tuple[list[Runner], int, list[str], list[str], set[str]]:
-        """:meth:`runners`, and the names of every live worker (any model's)."""
+    def _runners(
+        self, now: float, listed: tuple[list[bytes], list[bytes]] | None = None
+    ) -> tuple[list[Runner], int, list[str], list[str], set[str]]:
+        """:meth:`runners`, and the names of every live worker (any model's).
+        ``listed``: the live and the running workers, read already."""
         k = self.keys
-        with self.r.pipeline(transaction=False) as p:
-            p.zrangebyscore(k.workers, now, "+inf")
-            p.zrange(k.running, 0, -1)
-            alive_raw, running_raw = p.execute()
+        if listed is None:
+            with self.r.pipeline(transaction=False) as p:
+                p.zrangebyscore(k.workers, now, "+inf")
+                p.zrange(k.running, 0, -1)
+                listed = p.execute()
+        alive_raw, running_raw = listed
         alive = [as_text(w) for w in alive_raw]
         running = {as_text(w) for w in running_raw}
         with self.r.pipeline(transaction=False) as p:
@@ -606,10 +611,17 @@ class Store:
         anyone else would free an engine that could not take it. Such a job is
         passed over for the next waiting one, which anyone may take.
         """
-        runners, idle, tokens, procs, alive = self._runners(now)
+        k = self.keys
+        with self.r.pipeline(transaction=False) as p:
+            p.zrange(k.queue, 0, PREEMPT_FIRST_PAGE - 1, withscores=True)
+            p.zrangebyscore(k.workers, now, "+inf")
+            p.zrange(k.running, 0, -1)
+            head, alive_raw, running_raw = p.execute()
+        if not head or not running_raw:
+            return None  # nothing waits, or nothing runs
+        runners, idle, tokens, procs, alive = self._runners(now, (alive_raw, running_raw))
         if not runners:
-            return None  # no one to interrupt (read first: an idle engine's case)
-        head = self.r.zrange(self.keys.queue, 0, PREEMPT_FIRST_PAGE - 1, withscores=True)
+            return None  # no one to interrupt (an idle engine)
         mine = self.model.digest.encode() if self.model else None
         first = 0
         while head and first < QUEUE_PAGE * PREEMPT_PAGES:
