@@ -19,7 +19,9 @@ by the same burst against ``llama-server`` (``--peer-server``, default the one
 before parkq and idle while parkq answers, with ``-np`` equal to the largest
 sequence count, the same threads, context per sequence and kernel path, asked
 for the same distributions: a machine whose speed drifts moves both sides of
-each comparison alike. Prints, per cell: failed
+each comparison alike. ``--exact-off``: a second parkq stack, PARKQ_EXACT=0,
+idle likewise, gets each burst right after the defaults' (what exactness
+costs, paired the same way). Prints, per cell: failed
 requests, TTFT p50 / p95 / max over the answered ones, inter-token p95, the
 aggregate tokens per second (all tokens over the wall time from the first
 request to the last ``[DONE]``), each the median of ``--repeat`` bursts (3; the
@@ -213,6 +215,9 @@ def main() -> None:
     ap.add_argument("--peer-server", help="llama-server binary (default: the cached build)")
     ap.add_argument("--sampling", default="greedy,default",
                     help="arms: greedy, default (the openai client's: temperature 1)")  # fmt: skip
+    ap.add_argument("--exact-off", action="store_true",
+                    help="also a second stack with PARKQ_EXACT=0, each burst sent to it "
+                    "right after parkq's defaults (rows 'parkq EXACT=0')")  # fmt: skip
     ap.add_argument("--routes", default="completions",
                     help="parkq's routes to send the bursts to: completions, responses "
                     "(the Responses API: its cost per token beside completions')")  # fmt: skip
@@ -273,9 +278,14 @@ def main() -> None:
                 flash_attn=worker_attention(settings)))  # fmt: skip
             burst(base, 1, 8)  # warm
         for label, settings in plans:
-            with Stack(settings) as stack:
+            with contextlib.ExitStack() as stacks:
+                stack = stacks.enter_context(Stack(settings))
                 url = stack.settings.redis_url or ""
                 burst(stack.base_url, 1, 8)  # warm: the model's pages, the first prefill
+                fast = None
+                if args.exact_off and settings.exact:
+                    fast = stacks.enter_context(Stack(settings.model_copy(update={"exact": False})))
+                    burst(fast.base_url, 1, 8)
                 runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
                 cells = [(arm, route) for arm in arms for route in routes]
                 for _, (arm, route), clients in rounds(args.repeat, cells, clients_list):
@@ -286,17 +296,28 @@ def main() -> None:
                     runs.setdefault((arm, route, clients), []).append(run)
                     print({"system": _system(route), "max_seqs": label, "sampling": arm, **run},
                           flush=True)  # fmt: skip
+                    if fast is not None:
+                        f_url = fast.settings.redis_url or ""
+                        before = counters(f_url, fast.settings)
+                        run = burst(fast.base_url, clients, args.tokens, fields, route)
+                        run["step_split_pct"] = step_split(f_url, fast.settings, before)
+                        system = f"{_system(route)} EXACT=0"
+                        runs.setdefault((arm, route + " EXACT=0", clients), []).append(run)
+                        print({"system": system, "max_seqs": label, "sampling": arm, **run},
+                              flush=True)  # fmt: skip
                     if base is not None and route == routes[0]:
                         run = burst(base, clients, args.tokens, SAMPLING[arm]["llama-server"])
                         peer_runs.setdefault((arm, clients), []).append(run)
                         print({"system": "llama-server", "sampling": arm, **run}, flush=True)
                 for (arm, route, _n), got in runs.items():
-                    rows.append({"system": _system(route), "max_seqs": label, "sampling": arm,
+                    name = route.removesuffix(" EXACT=0")
+                    system = _system(name) + (" EXACT=0" if name != route else "")
+                    rows.append({"system": system, "max_seqs": label, "sampling": arm,
                                  **median_row(got)})  # fmt: skip
     for (arm, _n), got in peer_runs.items():
         rows.append({"system": "llama-server", "max_seqs": most, "sampling": arm,
                      **median_row(got)})  # fmt: skip
-    print(f"\n{'system':>12} {'seqs':>11} {'sampling':>8} {'clients':>7} {'failed':>6} "
+    print(f"\n{'system':>22} {'seqs':>11} {'sampling':>8} {'clients':>7} {'failed':>6} "
           f"{'TTFT p50':>9} {'p95':>8} {'max':>8} {'ITL p95':>8} {'tok/s':>7}  "
           "step: engine/sampling/redis/other %")  # fmt: skip
     for r in rows:
@@ -304,7 +325,7 @@ def main() -> None:
         cells = [r["system"], r["max_seqs"], r["sampling"], r["clients"], r["failed"],
                  r["ttft_ms_p50"], r["ttft_ms_p95"], r["ttft_ms_max"], r["inter_token_ms_p95"],
                  r["aggregate_tok_s"]]  # fmt: skip
-        widths = (12, 11, 8, 7, 6, 9, 8, 8, 8, 7)
+        widths = (22, 11, 8, 7, 6, 9, 8, 8, 8, 7)
         line = " ".join(f"{c!s:>{w}}" for c, w in zip(cells, widths, strict=True))
         if split:
             line += "  " + "/".join(f"{split[p]:.0f}" for p in split)
