@@ -42,7 +42,10 @@ def chat_stream(body: dict[str, Any], base: str = BASE, tries: int = 20) -> Iter
                     return
                 resp.raise_for_status()
                 job_id = job_id or resp.headers["X-Job-Id"]
-                for line in resp.iter_lines(decode_unicode=True):
+                # SSE ends lines at LF only; str.splitlines (iter_lines' default)
+                # would also cut an event's text at U+2028 or NEL.
+                for raw in resp.iter_lines(delimiter=b"\n"):
+                    line = raw.decode().removesuffix("\r")
                     if line.startswith("id: "):
                         last = line[4:]
                     elif line == "data: [DONE]":

@@ -61,8 +61,8 @@ SCAN_LIMIT = 4096
 PREEMPT_PAGES = 4
 #: The queue entries a preemption check reads first: the first job that may run
 #: decides, and it is nearly always among the first few; the check reads on
-#: in pages of QUEUE_PAGE only past them (up to QUEUE_PAGE x PREEMPT_PAGES
-#: entries in all).
+#: in pages of QUEUE_PAGE only past them (up to PREEMPT_FIRST_PAGE + QUEUE_PAGE
+#: x PREEMPT_PAGES entries in all).
 PREEMPT_FIRST_PAGE = 8
 #: A preemption check's answer: the best job that may run interrupts no one.
 NO_ONE = "no one"

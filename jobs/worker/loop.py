@@ -97,9 +97,9 @@ EWMA = 0.2
 
 #: A sequence that is free claims at the next step when a step write saw a
 #: waiting job, else at least this often, unless a step write saw the queue
-#: empty within that time (steps of prompt chunks write nothing). Every step
-#: write reads the queue's head; a claim script every 0.1 s took about 1.5 %
-#: of a lone stream's steps.
+#: empty within that time. Every step write (a prompt chunk's too, with no
+#: events) reads the queue's head, so this covers steps whose writes did not
+#: happen (Redis refusing them for a while).
 CLAIM_SECONDS = 0.1
 #: ... and at least this often, whatever the step writes saw.
 CLAIM_BACKSTOP_SECONDS = 1.0
@@ -278,7 +278,8 @@ class Worker(Executions):
 
     def _admit(self) -> None:
         """Claim jobs into free sequences: at once when idle, else when a step
-        saw a waiting job (or every CLAIM_SECONDS)."""
+        saw a waiting job, or every CLAIM_SECONDS when no step write read the
+        queue's head in that time (and every CLAIM_BACKSTOP_SECONDS)."""
         free = [s for s in self.slots if s.index not in self._running | self._returning.keys()]
         if not free:
             return

@@ -6,10 +6,12 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import requests
+
+from tools.client import lines
 
 
 def submit_stream(
@@ -22,12 +24,18 @@ def submit_stream(
     return resp
 
 
+def sse_lines(resp: requests.Response) -> Iterator[str]:
+    """The lines of a streamed SSE response, ended at LF only (tools/client.py):
+    requests' ``iter_lines`` would also cut at U+2028 or NEL in an event's text."""
+    return lines(resp.iter_content(chunk_size=None))
+
+
 def read_events(resp: requests.Response, limit: int | None = None) -> list[tuple[int, str]]:
     """Read SSE events (id, data) until [DONE] (then close) or ``limit`` events."""
     out: list[tuple[int, str]] = []
     event_id = None
     # One line iterator per response: a new one would lose what the last one buffered.
-    lines = resp.__dict__.setdefault("_parkq_lines", resp.iter_lines(decode_unicode=True))
+    lines = resp.__dict__.setdefault("_parkq_lines", sse_lines(resp))
     for line in lines:
         if line.startswith("id: "):
             event_id = int(line[4:])

@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from tests.integration.conftest import Server
-from tests.integration.helpers import job, submit_stream, wait_until
+from tests.integration.helpers import job, sse_lines, submit_stream, wait_until
 from tests.integration.test_workers import Cluster, running_cluster
 from tools.client import read_counter
 
@@ -38,7 +38,7 @@ def _events(resp: requests.Response) -> list[tuple[str, str]]:
     """(id, data) of every SSE event until [DONE]."""
     out: list[tuple[str, str]] = []
     event_id = ""
-    for line in resp.iter_lines(decode_unicode=True):
+    for line in sse_lines(resp):
         if line.startswith("id: "):
             event_id = line[4:]
         elif line.startswith("data: "):
@@ -117,7 +117,7 @@ def test_a_reconnect_with_the_stream_s_last_event_id_loses_and_repeats_nothing(
     resp = submit_stream(server.base_url, body)
     response_id = resp.headers["X-Job-Id"]
     seen: list[tuple[str, str]] = []
-    lines = resp.iter_lines(decode_unicode=True)
+    lines = sse_lines(resp)
     event_id = ""
     for line in lines:  # a dozen events, then the connection drops
         if line.startswith("id: "):

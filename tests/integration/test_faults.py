@@ -24,6 +24,7 @@ from tests.integration.helpers import (
     read_events,
     read_with_reconnects,
     reading_in_background,
+    sse_lines,
     submit_stream,
     wait_until,
 )
@@ -247,7 +248,7 @@ def test_a_slow_reader_loses_nothing_and_slows_no_one(faults: Cluster) -> None:
         f"{faults.base_url}/v1/completions", json={**body, "stream": True}, stream=True, timeout=60
     )
     job_id = slow.headers["X-Job-Id"]
-    lines = slow.iter_lines(decode_unicode=True)
+    lines = sse_lines(slow)
     events: list[tuple[int, str]] = []
     event_id = None
     timing: dict[str, float] = {}

@@ -17,7 +17,14 @@ import redis
 import requests
 
 from scheduler.keys import Keys
-from tests.integration.helpers import job, read_events, submit_stream, wait_until, web_answers
+from tests.integration.helpers import (
+    job,
+    read_events,
+    sse_lines,
+    submit_stream,
+    wait_until,
+    web_answers,
+)
 from tests.integration.test_workers import Cluster, running_cluster
 
 SHORT = {"prompt": "Twenty tokens and done", "max_tokens": 20, "temperature": 0,
@@ -44,7 +51,7 @@ def _frames(resp: requests.Response) -> list[tuple[str, str]]:
     """Every (id, data) until the server closes the stream (the read timeout
     fails the test if it never does)."""
     out, event_id = [], ""
-    for line in resp.iter_lines(decode_unicode=True):
+    for line in sse_lines(resp):
         if line.startswith("id: "):
             event_id = line[4:]
         elif line.startswith("data: "):

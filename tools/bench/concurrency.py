@@ -67,14 +67,16 @@ def burst(
     url = f"{base_url}/v1/{route}"
     reqs = [Request("short", 0.0) for _ in range(clients)]
     fields = SAMPLING["greedy"]["parkq"] if sampling is None else sampling
-    # Every prompt of the run is new from its first token on, so that neither
-    # server evaluates less of it from a cache: llama-server keeps each slot's
-    # last prompt and evaluates only what follows the part a new prompt shares
-    # with it (a repeated 13-token prompt: 5 tokens evaluated). (The round's
-    # number has a fixed width: one token per digit, prompts of one length.)
+    # Every prompt differs from every earlier burst's from its first token on
+    # (the round's number, last digit first: one token per digit, a new first
+    # digit in each burst, one length for all), so that neither server
+    # evaluates less of it from a cache: llama-server keeps each slot's last
+    # prompt and evaluates only what follows the part a new prompt shares with
+    # it (a repeated 13-token prompt: 5 tokens evaluated).
     round_ = next(ROUNDS)
     bodies = [
-        {"prompt": f"Round {round_:05d}, question {i}: what is a parking queue?\nAnswer:",
+        {"prompt": f"{str(round_).zfill(5)[::-1]}. Question {i}: what is a parking "
+                   "queue?\nAnswer:",
          "max_tokens": tokens,
          "ignore_eos": True, "priority": "interactive", "seed": i,
          "stream_options": {"include_usage": True}, **fields}
@@ -280,7 +282,6 @@ def main() -> None:
         for label, settings in plans:
             with contextlib.ExitStack() as stacks:
                 stack = stacks.enter_context(Stack(settings))
-                url = stack.settings.redis_url or ""
                 burst(stack.base_url, 1, 8)  # warm: the model's pages, the first prefill
                 fast = None
                 if args.exact_off and settings.exact:
@@ -288,27 +289,32 @@ def main() -> None:
                     burst(fast.base_url, 1, 8)
                 runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
                 cells = [(arm, route) for arm in arms for route in routes]
-                for _, (arm, route), clients in rounds(args.repeat, cells, clients_list):
+                for n, (arm, route), clients in rounds(args.repeat, cells, clients_list):
                     fields = SAMPLING[arm]["parkq"]
-                    before = counters(url, stack.settings)
-                    run = burst(stack.base_url, clients, args.tokens, fields, route)
-                    run["step_split_pct"] = step_split(url, stack.settings, before)
-                    runs.setdefault((arm, route, clients), []).append(run)
-                    print({"system": _system(route), "max_seqs": label, "sampling": arm, **run},
-                          flush=True)  # fmt: skip
+                    # Each system's burst, then the same rest (the heartbeat the
+                    # step split waits for); the order turns every round, so that
+                    # none always goes first or always follows a rest.
+                    turns: list[tuple[Stack | None, str]] = [(stack, route)]
                     if fast is not None:
-                        f_url = fast.settings.redis_url or ""
-                        before = counters(f_url, fast.settings)
-                        run = burst(fast.base_url, clients, args.tokens, fields, route)
-                        run["step_split_pct"] = step_split(f_url, fast.settings, before)
-                        system = f"{_system(route)} EXACT=0"
-                        runs.setdefault((arm, route + " EXACT=0", clients), []).append(run)
+                        turns.append((fast, route + " EXACT=0"))
+                    if base is not None and route == routes[0]:
+                        turns.append((None, "llama-server"))
+                    for which, key in turns if n % 2 == 0 else turns[::-1]:
+                        if which is None:
+                            assert base is not None
+                            run = burst(base, clients, args.tokens, SAMPLING[arm]["llama-server"])
+                            peer_runs.setdefault((arm, clients), []).append(run)
+                            print({"system": "llama-server", "sampling": arm, **run}, flush=True)
+                            time.sleep(stack.settings.heartbeat_seconds + 0.3)
+                            continue
+                        s_url = which.settings.redis_url or ""
+                        before = counters(s_url, which.settings)
+                        run = burst(which.base_url, clients, args.tokens, fields, route)
+                        run["step_split_pct"] = step_split(s_url, which.settings, before)
+                        runs.setdefault((arm, key, clients), []).append(run)
+                        system = _system(route) + key.removeprefix(route)
                         print({"system": system, "max_seqs": label, "sampling": arm, **run},
                               flush=True)  # fmt: skip
-                    if base is not None and route == routes[0]:
-                        run = burst(base, clients, args.tokens, SAMPLING[arm]["llama-server"])
-                        peer_runs.setdefault((arm, clients), []).append(run)
-                        print({"system": "llama-server", "sampling": arm, **run}, flush=True)
                 for (arm, route, _n), got in runs.items():
                     name = route.removesuffix(" EXACT=0")
                     system = _system(name) + (" EXACT=0" if name != route else "")
