@@ -44,15 +44,17 @@ def chat_stream(body: dict[str, Any], base: str = BASE, tries: int = 20) -> Iter
                 job_id = job_id or resp.headers["X-Job-Id"]
                 # SSE ends lines at LF only; str.splitlines (iter_lines' default)
                 # would also cut an event's text at U+2028 or NEL.
+                event_id = None
                 for raw in resp.iter_lines(delimiter=b"\n"):
                     line = raw.decode().removesuffix("\r")
                     if line.startswith("id: "):
-                        last = line[4:]
+                        event_id = line[4:]  # the last id once its event is read
                     elif line == "data: [DONE]":
                         return
                     elif line.startswith("data: "):
                         for choice in json.loads(line[6:]).get("choices", []):
                             yield choice.get("delta", {}).get("content") or ""
+                        last = event_id or last
         except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError):
             if job_id is None:
                 raise  # not sent, or its answer lost before it began: nothing to take up

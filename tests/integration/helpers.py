@@ -35,7 +35,9 @@ def read_events(resp: requests.Response, limit: int | None = None) -> list[tuple
     out: list[tuple[int, str]] = []
     event_id = None
     # One line iterator per response: a new one would lose what the last one buffered.
-    lines = resp.__dict__.setdefault("_parkq_lines", sse_lines(resp))
+    if "_parkq_lines" not in resp.__dict__:
+        resp.__dict__["_parkq_lines"] = sse_lines(resp)
+    lines = resp.__dict__["_parkq_lines"]
     for line in lines:
         if line.startswith("id: "):
             event_id = int(line[4:])

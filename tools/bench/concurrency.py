@@ -13,15 +13,17 @@ count sends that many completions at the same moment (each burst's prompts
 new ones, so that no server evaluates less of them from a cache) and records
 when each token arrives (``--routes responses``: also the same prompts as streamed
 responses of the Responses API, rows ``parkq responses``; through the chat
-template, so their prompts are a few tokens longer). Each burst is followed
-by the same burst against ``llama-server`` (``--peer-server``, default the one
-``python -m tools.bench.llama_server build`` cached; ``none`` to skip), started
-before parkq and idle while parkq answers, with ``-np`` equal to the largest
-sequence count, the same threads, context per sequence and kernel path, asked
-for the same distributions: a machine whose speed drifts moves both sides of
-each comparison alike. ``--exact-off``: a second parkq stack, PARKQ_EXACT=0,
-idle likewise, gets each burst right after the defaults' (what exactness
-costs, paired the same way). Prints, per cell: failed
+template, so their prompts are a few tokens longer). Each round sends the
+same burst to ``llama-server`` too (``--peer-server``, default the one
+``python -m tools.bench.llama_server build`` cached; ``none`` to skip),
+started before parkq and idle while parkq answers, with ``-np`` equal to the
+largest sequence count, the same threads, context per sequence and kernel
+path, asked for the same distributions: a machine whose speed drifts moves
+both sides of each comparison alike. ``--exact-off``: a second parkq stack,
+PARKQ_EXACT=0, idle likewise, gets each round's burst too (what exactness
+costs, paired the same way). A round's bursts go one after the other, each
+followed by the same rest, in one order in even rounds and the reverse in odd
+ones. Prints, per cell: failed
 requests, TTFT p50 / p95 / max over the answered ones, inter-token p95, the
 aggregate tokens per second (all tokens over the wall time from the first
 request to the last ``[DONE]``), each the median of ``--repeat`` bursts (3; the
@@ -67,7 +69,7 @@ def burst(
     url = f"{base_url}/v1/{route}"
     reqs = [Request("short", 0.0) for _ in range(clients)]
     fields = SAMPLING["greedy"]["parkq"] if sampling is None else sampling
-    # Every prompt differs from every earlier burst's from its first token on
+    # Every prompt differs from the last nine bursts' from its first token on
     # (the round's number, last digit first: one token per digit, a new first
     # digit in each burst, one length for all), so that neither server
     # evaluates less of it from a cache: llama-server keeps each slot's last
@@ -219,7 +221,7 @@ def main() -> None:
                     help="arms: greedy, default (the openai client's: temperature 1)")  # fmt: skip
     ap.add_argument("--exact-off", action="store_true",
                     help="also a second stack with PARKQ_EXACT=0, each burst sent to it "
-                    "right after parkq's defaults (rows 'parkq EXACT=0')")  # fmt: skip
+                    "in each round beside parkq's defaults (rows 'parkq EXACT=0')")  # fmt: skip
     ap.add_argument("--routes", default="completions",
                     help="parkq's routes to send the bursts to: completions, responses "
                     "(the Responses API: its cost per token beside completions')")  # fmt: skip
@@ -267,9 +269,9 @@ def main() -> None:
         base = None
         if peer is not None:
             # Started first and left idle while parkq answers (and parkq idle
-            # while it answers): each parkq burst is followed by the same burst
-            # against the peer, so a machine whose speed drifts (a shared VM)
-            # moves both sides of every comparison alike.
+            # while it answers): each round sends its burst to both, one after
+            # the other, so a machine whose speed drifts (a shared VM) moves
+            # both sides of every comparison alike.
             settings = settings.model_copy(update={"max_seqs": most})
             extra = worker_kernels(settings)
             threads = settings.n_threads or len(os.sched_getaffinity(0))
@@ -292,8 +294,8 @@ def main() -> None:
                 for n, (arm, route), clients in rounds(args.repeat, cells, clients_list):
                     fields = SAMPLING[arm]["parkq"]
                     # Each system's burst, then the same rest (the heartbeat the
-                    # step split waits for); the order turns every round, so that
-                    # none always goes first or always follows a rest.
+                    # step split waits for); the order is reversed in odd rounds,
+                    # so that neither parkq nor the peer always goes first.
                     turns: list[tuple[Stack | None, str]] = [(stack, route)]
                     if fast is not None:
                         turns.append((fast, route + " EXACT=0"))
