@@ -175,6 +175,8 @@ class Step:
     detached_at: float | None = None
     #: Events this write added (a replay's events already stored are not).
     written: int = 0
+    #: Jobs in the queue when its head was read (None: not read).
+    queued: int | None = None
 
 
 @dataclass(frozen=True)
@@ -964,15 +966,21 @@ class Store:
         # The queue head the first write read is every job's of this step (read
         # here when that write ended early: fenced, diverged, lost).
         head: float | None = None
+        queued: int | None = None
         if not results:
             return []
         if isinstance(results[0], Step):
-            head = results[0].head_key
+            head, queued = results[0].head_key, results[0].queued
         elif any(isinstance(r, Step) for r in results):
-            top = self.r.zrange(self.keys.queue, 0, 0, withscores=True)
+            with self.r.pipeline(transaction=False) as p:
+                p.zrange(self.keys.queue, 0, 0, withscores=True)
+                p.zcard(self.keys.queue)
+                top, queued = p.execute()
             head = -float(top[0][1]) if top else None
         return [
-            Step(r.flags, head, r.detached_at, r.written) if isinstance(r, Step) and n else r
+            Step(r.flags, head, r.detached_at, r.written, queued)
+            if isinstance(r, Step) and n
+            else r
             for n, r in enumerate(results)
         ]
 
@@ -999,6 +1007,7 @@ class Store:
             None if head is None else -float(head),
             None if detached is None else float(detached),
             int(got[3]) if len(got) > 3 else 0,
+            int(got[4]) if len(got) > 4 and got[4] is not None else None,
         )
 
     def finish(

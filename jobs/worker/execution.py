@@ -241,8 +241,17 @@ class Executions:
     stopping: threading.Event
     #: A step write saw a waiting job: free sequences claim at the next step.
     _work_waiting: bool
-    #: When (monotonic) a step write last read the queue's head.
-    _head_read_at: float
+    #: When (monotonic) a step write last saw the queue empty.
+    _empty_seen_at: float
+    #: The queue's head key and length that the last step write saw (None:
+    #: empty; the length None: not read).
+    _seen_head: tuple[float | None, int | None]
+    #: The queue's head key and length when this worker's last claim found
+    #: nothing it may take (a capped tenant's jobs, another model's, a parked
+    #: job left to its holder): while step writes see the same head and no
+    #: more jobs than that, free sequences claim on the clock, not at every
+    #: step (the length is lowered as jobs leave, so an arrival shows).
+    _passed: tuple[float, int] | None
     #: Inter-token latencies not yet in Redis: observations per bucket, and the
     #: sum of their milliseconds (written at each beat and at each job's end, one
     #: round trip, not three commands in every step write).
@@ -477,9 +486,15 @@ class Executions:
             bucket = bucket_of(latency_ms)
             self._gaps[bucket] = self._gaps.get(bucket, 0) + step.written
             self._gaps_ms += latency_ms * step.written
-        self._head_read_at = time.monotonic()
-        if step.head_key is not None:
-            self._work_waiting = True
+        head, queued = step.head_key, step.queued
+        self._seen_head = (head, queued)
+        passed = self._passed
+        if head is None:
+            self._empty_seen_at = time.monotonic()
+        elif passed is None or head != passed[0] or queued is None or queued > passed[1]:
+            self._work_waiting = True  # maybe one this worker may take
+        elif queued < passed[1]:
+            self._passed = (head, queued)
         if self.stopping.is_set():
             if not step.flags & (CANCEL | PREEMPT):
                 # Parked at the next step; a blip here is asked again then

@@ -96,10 +96,11 @@ EWMA = 0.2
 
 
 #: A sequence that is free claims at the next step when a step write saw a
-#: waiting job, else at least this often, unless a step write saw the queue
-#: empty within that time. Every step write (a prompt chunk's too, with no
-#: events) reads the queue's head, so this covers steps whose writes did not
-#: happen (Redis refusing them for a while).
+#: waiting job (one other than the head its last claim passed over), else at
+#: least this often, unless a step write saw the queue empty within that time.
+#: Every step write (a prompt chunk's too, with no events) reads the queue's
+#: head, so this covers steps whose writes did not happen (Redis refusing them
+#: for a while) and jobs waiting behind a head this worker may not take.
 CLAIM_SECONDS = 0.1
 #: ... and at least this often, whatever the step writes saw.
 CLAIM_BACKSTOP_SECONDS = 1.0
@@ -149,7 +150,9 @@ class Worker(Executions):
         self._next_claim = 0.0
         self._backstop = 0.0
         self._work_waiting = False
-        self._head_read_at = -1e9
+        self._empty_seen_at = -1e9
+        self._seen_head = (None, None)
+        self._passed = None
         self.stopping = threading.Event()
         self._next_beat = 0.0
         self._next_clock_flush = 0.0
@@ -278,8 +281,9 @@ class Worker(Executions):
 
     def _admit(self) -> None:
         """Claim jobs into free sequences: at once when idle, else when a step
-        saw a waiting job, or every CLAIM_SECONDS when no step write read the
-        queue's head in that time (and every CLAIM_BACKSTOP_SECONDS)."""
+        saw a waiting job other than the head the last claim passed over, or
+        every CLAIM_SECONDS unless a step write saw the queue empty in that
+        time (and every CLAIM_BACKSTOP_SECONDS)."""
         free = [s for s in self.slots if s.index not in self._running | self._returning.keys()]
         if not free:
             return
@@ -287,7 +291,7 @@ class Worker(Executions):
         if self._running and not self._work_waiting:
             if now_m < self._next_claim:
                 return
-            if now_m - self._head_read_at < CLAIM_SECONDS and now_m < self._backstop:
+            if now_m - self._empty_seen_at < CLAIM_SECONDS and now_m < self._backstop:
                 return  # a step write just saw the queue empty
         self._next_claim = now_m + CLAIM_SECONDS
         self._backstop = now_m + CLAIM_BACKSTOP_SECONDS
@@ -297,7 +301,12 @@ class Worker(Executions):
                 continue
             claim = self.store.claim(slot.name, time.time(), self.name)
             if claim is None:
+                # Nothing here fits: until the head changes, a job arrives or
+                # a sequence here frees, claims go by the clock.
+                head, queued = self._seen_head
+                self._passed = None if head is None or queued is None else (head, queued)
                 return
+            self._passed = None
             self._start(slot, claim)
 
     def _start(self, slot: Slot, claim: Claim) -> None:
@@ -508,10 +517,19 @@ class Worker(Executions):
             r.send(result)
         except StopIteration:
             del self._running[r.slot.index]
+            self._freed()
             self._feed_batch(r.job_id)
         except Exception as exc:  # (a signal's SystemExit: the loop's sign-off hands it back)
             del self._running[r.slot.index]
+            self._freed()
             self._hand_back(r, exc)
+
+    def _freed(self) -> None:
+        """A sequence here is free: a waiting job this worker passed over may
+        fit now (its tenant's running job was this one), so claim at once."""
+        self._passed = None
+        if self._seen_head[0] is not None:
+            self._work_waiting = True
 
     def _hand_back(self, r: Running, exc: Exception) -> None:
         """A job whose generation raised (an engine error, its own data, a bug, Redis

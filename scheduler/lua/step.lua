@@ -13,7 +13,8 @@
 -- stored one (nothing from it on is written), {-4, n} when the stream holds
 -- only n events, fewer than this write follows (writes lost in a failover:
 -- nothing is written), else {flags, queue head score or false, time the
--- job's last reader left or false, events written (not already stored)}, flags a bit set: 1 cancel requested,
+-- job's last reader left or false, events written (not already stored), jobs
+-- in the queue or false (not read)}, flags a bit set: 1 cancel requested,
 -- 2 preempt (the job is then marked parking).
 if token(KEYS[1]) ~= ARGV[1] then
   return -1
@@ -42,6 +43,9 @@ elseif redis.call('HEXISTS', KEYS[3], 'preempt') == 1 then
   flags = flags + 2
   move(KEYS[1], S.parking)
 end
-local head = {}
-if ARGV[7] == '1' then head = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES') end
-return {flags, head[2] or false, redis.call('HGET', KEYS[1], 'detached_at'), written}
+local head, queued = {}, false
+if ARGV[7] == '1' then
+  head = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')
+  queued = redis.call('ZCARD', KEYS[4])
+end
+return {flags, head[2] or false, redis.call('HGET', KEYS[1], 'detached_at'), written, queued}

@@ -50,6 +50,10 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
         for sampling in ("greedy", "default")
     }
     assert all(row["tokens"] == 16 * row["clients"] for row in r["concurrency"]["rows"])
+    # Paired: each cell's burst goes to every stack in turn, the next cell's in the reverse order.
+    order = [(row["system"], row["max_seqs"]) for row in r["concurrency"]["rows"]]
+    assert order[:3] == [("parkq", "default"), ("parkq inexact", "default"), ("parkq", 1)]
+    assert order[3:6] == order[2::-1]
     assert r["mixed"]["parkq_greedy"]["short_unanswered"] == 0
     assert r["mixed"]["parkq_default"]["short_requests"] > 0
     assert r["exactness"]["returncode"] == 0, r["exactness"]

@@ -12,6 +12,7 @@ from typing import Any
 
 import fakeredis
 import numpy as np
+import pytest
 import redis
 
 from jobs.engine.llama import EngineError
@@ -612,3 +613,112 @@ def test_a_person_who_arrives_while_another_decodes_gets_the_first_token_first(
     assert engine.log[joined - 1] == ("decode", (other,))
     assert engine.log[joined + 1] == ("decode", (other,))
     assert set(engine.log[joined + 2][1]) == {other, newcomer}
+
+
+def _request(prompt: bytes, tokens: int) -> dict[str, Any]:
+    return GenerationRequest("completion", "fake", list(prompt), tokens,
+                             SamplingParams(temperature=0), ignore_eos=True).to_json()  # fmt: skip
+
+
+def _counting_claims(worker: Worker) -> list[int]:
+    claims = [0]
+    real_claim = worker.store.claim
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        claims[0] += 1
+        return real_claim(*args, **kwargs)
+
+    worker.store.claim = counted  # type: ignore[method-assign]
+    return claims
+
+
+def _tokens(store: Store, job_id: str) -> int:
+    return int((store.get(job_id) or {}).get("tokens", 0))
+
+
+def _decoding(store: Store, job_id: str, tokens: int) -> None:
+    deadline = time.monotonic() + 30
+    while _tokens(store, job_id) < tokens:
+        assert time.monotonic() < deadline, f"{job_id} never decoded {tokens} tokens"
+        time.sleep(0.01)
+
+
+def _state(store: Store, job_id: str) -> str:
+    return (store.get(job_id) or {}).get("state", "")
+
+
+def test_a_head_the_worker_may_not_take_is_not_claimed_at_every_step(
+    fake_redis: fakeredis.FakeRedis, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A free sequence behind a waiting job it may not take (here a parked job
+    left to its holder) claims again when the head changes or a job arrives,
+    not at every step write that sees the same queue."""
+    import jobs.worker.loop as loop
+
+    # No claim by the clock while the long job runs: only what the step writes see.
+    monkeypatch.setattr(loop, "CLAIM_SECONDS", 60.0)
+    monkeypatch.setattr(loop, "CLAIM_BACKSTOP_SECONDS", 120.0)
+    settings = settings.model_copy(update={"max_seqs": 2, "affinity_seconds": 3600})
+    store = Store(fake_redis, settings)
+    rq = RQBridge(fake_redis, settings.queue_name, settings.result_ttl)
+    now = time.time()
+    store.workers.heartbeat("holder", now=now, ttl=3600)
+    store.enqueue("held", "completion", {}, 9, now)
+    claim = store.claim("holder", now)
+    assert claim is not None
+    store.park("held", claim.exec_token, "holder", "{}", now)
+    rq.create("long", "test")
+    store.enqueue("long", "completion", _request(b"long one", 1_000_000), 5, time.time())
+    worker = Worker(settings, _TwoSequences(), fake_redis, name="w0")
+    claims = _counting_claims(worker)
+    with _running(worker):
+        _decoding(store, "long", 150)
+        # The long job's claim, the free sequence's, and one at the first step
+        # write that saw the held job at the head; none at the 150 steps after.
+        assert claims[0] <= 3, claims
+        # A job behind the head (a worse key: the head stays): the queue grew.
+        # Then one ahead of it: the head changed.
+        for job_id, level in (("behind", 0), ("ahead", 10)):
+            rq.create(job_id, "test")
+            store.enqueue(job_id, "completion", _request(job_id.encode(), 3), level, time.time())
+            _wait_state(store, job_id, {"finished"})
+        assert _state(store, "long") == "running"
+        assert _state(store, "held") == "parked"
+
+
+class _ThreeSequences(_TwoSequences):
+    n_seq_max = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.contexts[2] = []
+
+
+def test_a_capped_tenants_next_job_starts_when_its_running_one_ends_here(
+    fake_redis: fakeredis.FakeRedis, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tenant capped at one running job: its next job, passed over at the head,
+    starts on this worker as soon as the running one ends here (no step write
+    sees a change of the queue: the same head, the same length)."""
+    import jobs.worker.loop as loop
+
+    monkeypatch.setattr(loop, "CLAIM_SECONDS", 60.0)
+    monkeypatch.setattr(loop, "CLAIM_BACKSTOP_SECONDS", 120.0)
+    settings = settings.model_copy(update={"max_seqs": 3})
+    store = Store(fake_redis, settings)
+    rq = RQBridge(fake_redis, settings.queue_name, settings.result_ttl)
+    rq.create("long", "test")
+    store.enqueue("long", "completion", _request(b"long one", 1_000_000), 0, time.time())
+    for job_id, tokens in (("first", 40), ("second", 3)):
+        rq.create(job_id, "test")
+        store.enqueue(job_id, "completion", _request(job_id.encode(), tokens), 10, time.time(),
+                      owner="capped", extra={"max_running": "1"}, weight=1.0,
+                      caps=True)  # fmt: skip
+    worker = Worker(settings, _ThreeSequences(), fake_redis, name="w0")
+    claims = _counting_claims(worker)
+    with _running(worker):
+        _wait_state(store, "first", {"running", "finished"})
+        assert _state(store, "second") == "queued"
+        _wait_state(store, "second", {"finished"})
+        assert _state(store, "long") == "running"
+    assert claims[0] <= 6, claims  # not one at each of the first job's 40 steps

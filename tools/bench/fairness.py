@@ -16,7 +16,17 @@ engine, is what is measured) with a keys file of four tenants, then:
   requests in flight (more than the worker's sequences, so both always have
   jobs waiting) for ``--seconds``, once with greedy sampling and once with the
   openai client's defaults: each tenant's completion tokens of the requests
-  that ended in the window, and their ratio (2 is the weights').
+  that ended in the window, and their ratio (2 is the weights');
+- **capped**: a tenant capped at one running job (``max_running = 1``) keeps
+  ``--clients`` interactive requests in flight, so its waiting ones hold the
+  queue's head, which no free sequence may take, while another tenant keeps
+  two batch-priority requests running beside it (the worker's other
+  sequences free), each request 256 tokens, for ``--seconds`` / 2, greedy and
+  with the openai client's defaults: Redis commands and Redis CPU time per
+  generated token (INFO's total_commands_processed and used_cpu_sys +
+  used_cpu_user: every process's calls) and each tenant's tokens.
+
+``--parts`` picks some of them (default: all three).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from tools.bench import command_line, machine, write_results
 from tools.launcher import Stack
 
 BIG, SMALL, HEAVY, LIGHT, ADMIN = "sk-big", "sk-small", "sk-heavy", "sk-light", "sk-admin"
+CAPPED = "sk-capped"
 KEYS = f"""
 [tenants.big]
 keys = ["{BIG}"]
@@ -47,6 +58,9 @@ keys = ["{HEAVY}"]
 weight = 2
 [tenants.light]
 keys = ["{LIGHT}"]
+[tenants.capped]
+keys = ["{CAPPED}"]
+max_running = 1
 [tenants.admin]
 keys = ["{ADMIN}"]
 admin = true
@@ -132,6 +146,50 @@ def weights(base: str, seconds: float, clients: int, greedy: bool) -> dict[str, 
             "ratio": round(tokens[HEAVY] / max(1, tokens[LIGHT]), 3)}  # fmt: skip
 
 
+def capped(base: str, redis_url: str, seconds: float, clients: int, greedy: bool) -> dict[str, Any]:
+    import redis
+
+    stop = time.monotonic() + seconds
+    done: dict[str, list[int]] = {CAPPED: [], BIG: []}
+    extra: dict[str, Any] = {"temperature": 0} if greedy else {}
+
+    def loop(key: str, priority: str) -> None:
+        client = _client(base, key)
+        while time.monotonic() < stop:
+            got = client.completions.create(
+                model="m", prompt="Capped", max_tokens=256,
+                extra_body={"ignore_eos": True, "priority": priority}, **extra,
+            )  # fmt: skip
+            assert got.usage is not None
+            done[key].append(got.usage.completion_tokens)
+
+    threads = [threading.Thread(target=loop, args=(CAPPED, "interactive")) for _ in range(clients)]
+    threads += [threading.Thread(target=loop, args=(BIG, "batch")) for _ in range(2)]
+    r = redis.Redis.from_url(redis_url)
+
+    def used() -> tuple[int, float]:
+        info = r.info()
+        return int(info["total_commands_processed"]), info["used_cpu_sys"] + info["used_cpu_user"]
+
+    before, cpu_before = used()
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    after, cpu_after = used()
+    commands, cpu = after - before, cpu_after - cpu_before
+    r.close()
+    tokens = {k: sum(v) for k, v in done.items()}
+    total = sum(tokens.values())
+    return {"sampling": "greedy" if greedy else "default", "seconds": round(wall, 1),
+            "capped_clients": clients, "tokens_capped": tokens[CAPPED],
+            "tokens_other": tokens[BIG], "tok_s": round(total / wall, 1),
+            "redis_commands_per_token": round(commands / max(1, total), 2),
+            "redis_cpu_us_per_token": round(1e6 * cpu / max(1, total), 1)}  # fmt: skip
+
+
 def main() -> None:
     ap = command_line(__doc__, "fairness", model="the tiny test model")
     ap.add_argument("--lines", type=int, default=2000)
@@ -139,7 +197,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--seqs", type=int, default=2)
+    ap.add_argument("--parts", default="batches,weights,capped")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     work = Path(tempfile.mkdtemp(prefix="parkq-fairness-"))
     keys = work / "keys.toml"
     keys.write_text(KEYS)
@@ -153,13 +213,21 @@ def main() -> None:
     results: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
                                "model": Path(model).name, "max_seqs": args.seqs}  # fmt: skip
     with Stack(settings) as stack:
-        results["batches"] = batches(stack.base_url, args.lines, args.small)
-        print(json.dumps(results["batches"]), flush=True)
-        results["weights"] = []
-        for greedy in (True, False):
-            row = weights(stack.base_url, args.seconds, args.clients, greedy)
-            print(json.dumps(row), flush=True)
-            results["weights"].append(row)
+        if "batches" in parts:
+            results["batches"] = batches(stack.base_url, args.lines, args.small)
+            print(json.dumps(results["batches"]), flush=True)
+        for part in ("weights", "capped"):
+            if part not in parts:
+                continue
+            results[part] = []
+            for greedy in (True, False):
+                if part == "weights":
+                    row = weights(stack.base_url, args.seconds, args.clients, greedy)
+                else:
+                    row = capped(stack.base_url, stack.settings.redis_url or "",
+                                 args.seconds / 2, args.clients, greedy)  # fmt: skip
+                print(json.dumps(row), flush=True)
+                results[part].append(row)
     write_results(args.out, results)
 
 

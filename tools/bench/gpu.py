@@ -25,7 +25,8 @@ fails is recorded with its error and the next one runs):
 - ``concurrency``: 1-16 simultaneous streams, greedy and the openai client's
   default sampling, against ``parkq up`` (PARKQ_MAX_SEQS 1, its default plan, and
   the plan with PARKQ_EXACT=0) and
-  ``llama-server`` from the same build with 16 slots;
+  ``llama-server`` from the same build with 16 slots, all started first and
+  each round's burst sent to each in turn (the order reversed in odd rounds);
 - ``mixed``: a long batch job while short chats arrive, parkq against
   ``llama-server`` with the same slots, both sampling arms;
 - ``exactness``: parkq's tests that run real llama.cpp (engine, batching,
@@ -39,6 +40,7 @@ the check cannot rot between the sessions that have a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -312,6 +314,12 @@ def _settings(check: Check, seqs: int | None, n_ctx: int = 1024, exact: bool = T
 
 
 def concurrency(check: Check) -> dict[str, Any]:
+    """Simultaneous streams against every system at once: llama-server (the
+    peer) and the parkq stacks are all started first and stay idle while
+    another answers; each round sends the same burst to each of them, one
+    after the other, in one order in even rounds and the reverse in odd ones,
+    so that a host whose speed drifts moves every side of a comparison alike
+    (tools/bench/concurrency.py pairs its bursts the same way)."""
     from jobs.engine.llama import gpu_layers
     from tools.bench import SAMPLING
     from tools.bench.concurrency import burst
@@ -321,37 +329,40 @@ def concurrency(check: Check) -> dict[str, Any]:
     tokens = 16 if check.cpu else 64
     rows: list[dict[str, Any]] = []
     budget_end = time.monotonic() + check.left()
-    # One sequence; parkq's default plan for the machine (exact); the same plan with
-    # PARKQ_EXACT=0 (batches as wide as llama.cpp takes them, not bit-exact across a park).
-    for seqs, exact in ((1, True), (None, True), (None, False)):
-        settings = _settings(check, seqs, exact=exact)
-        system = "parkq" if exact else "parkq inexact"
-        with _stack(check, settings) as stack:
+    # (system, max_seqs, base URL, whose sampling fields, client counts)
+    turns: list[tuple[str, Any, str, str, list[int]]] = []
+    with contextlib.ExitStack() as held:
+        if check.server:
+            settings = _settings(check, check.limit)
+            base = held.enter_context(running_llama_server(
+                check.server, model=settings.model, seqs=check.limit, n_ctx=settings.n_ctx,
+                threads=len(os.sched_getaffinity(0)), extra_buffers=False,
+                gpu_layers=gpu_layers(settings.n_gpu_layers),
+            ))  # fmt: skip
+            burst(base, 1, 4, SAMPLING["greedy"]["llama-server"])  # warm
+            turns.append(("llama-server", check.limit, base, "llama-server", clients))
+        # parkq's default plan for the machine (exact); the same plan with
+        # PARKQ_EXACT=0 (batches as wide as llama.cpp takes them, not bit-exact
+        # across a park); one sequence per call, alone and at the most clients.
+        for seqs, exact in ((None, True), (None, False), (1, True)):
+            stack = held.enter_context(_stack(check, _settings(check, seqs, exact=exact)))
             burst(stack.base_url, 1, 4)  # warm
-            for arm in SAMPLING:
-                for n in clients if seqs != 1 else [1, clients[-1]]:
-                    if time.monotonic() > budget_end:
-                        break
-                    fields = SAMPLING[arm]["parkq"]
-                    rows.append({"system": system, "max_seqs": seqs or "default",
-                                 "sampling": arm,
-                                 **burst(stack.base_url, n, tokens, fields)})  # fmt: skip
-                    print(rows[-1], flush=True)
-    if check.server:
-        settings = _settings(check, check.limit)
-        with running_llama_server(
-            check.server, model=settings.model, seqs=check.limit, n_ctx=settings.n_ctx,
-            threads=len(os.sched_getaffinity(0)), extra_buffers=False,
-            gpu_layers=gpu_layers(settings.n_gpu_layers),
-        ) as base:  # fmt: skip
-            burst(base, 1, 4, SAMPLING["greedy"]["llama-server"])
-            for arm in SAMPLING:
-                for n in clients:
-                    fields = SAMPLING[arm]["llama-server"]
-                    rows.append({"system": "llama-server", "max_seqs": check.limit,
-                                 "sampling": arm, **burst(base, n, tokens, fields)})  # fmt: skip
-                    print(rows[-1], flush=True)
-    return {"tokens": tokens, "rows": rows, "peer": check.server or "none (no llama-server)"}
+            turns.append(("parkq" if exact else "parkq inexact", seqs or "default",
+                          stack.base_url, "parkq",
+                          clients if seqs != 1 else sorted({1, clients[-1]})))  # fmt: skip
+        cells = [(arm, n) for arm in SAMPLING for n in clients]
+        for i, (arm, n) in enumerate(cells):
+            if time.monotonic() > budget_end:
+                break
+            for system, seqs_label, url, whose, counts in turns if i % 2 == 0 else turns[::-1]:
+                if n not in counts:
+                    continue
+                rows.append({"system": system, "max_seqs": seqs_label, "sampling": arm,
+                             **burst(url, n, tokens, SAMPLING[arm][whose])})  # fmt: skip
+                print(rows[-1], flush=True)
+    return {"tokens": tokens, "rows": rows, "peer": check.server or "none (no llama-server)",
+            "order": "paired: each burst sent to every system in turn, the order reversed "
+                     "in odd rounds"}  # fmt: skip
 
 
 @contextmanager
@@ -526,14 +537,23 @@ def markdown(r: dict[str, Any]) -> str:
                   f"{st['sample_ms_per_token']}"]  # fmt: skip
     conc = r.get("concurrency", {})
     if conc.get("rows"):
+        # The peer's burst of the same round, for each (sampling, clients).
+        peer = {(row["sampling"], row["clients"]): row for row in conc["rows"]
+                if row["system"] == "llama-server"}  # fmt: skip
         lines += ["", f"## Simultaneous streams ({conc['tokens']} tokens each)", "",
-                  "| system | seqs | sampling | clients | TTFT p50 | TTFT p95 | ITL p95 | tok/s |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        for row in conc["rows"]:
+                  "| system | seqs | sampling | clients | TTFT p50 | TTFT p95 | ITL p95 | tok/s "
+                  "| tok/s vs llama-server |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for row in sorted(conc["rows"], key=lambda r: (r["system"], str(r["max_seqs"]),
+                                                       r["sampling"], r["clients"])):  # fmt: skip
+            other = peer.get((row["sampling"], row["clients"]))
+            ratio = None
+            if other and other is not row and other["aggregate_tok_s"]:
+                ratio = f"{row['aggregate_tok_s'] / other['aggregate_tok_s']:.2f}x"
             lines.append(
                 f"| {row['system']} | {row['max_seqs']} | {row['sampling']} | {row['clients']} | "
                 f"{row['ttft_ms_p50']} | {row['ttft_ms_p95']} | "
-                f"{_cell(row['inter_token_ms_p95'])} | {row['aggregate_tok_s']} |"
+                f"{_cell(row['inter_token_ms_p95'])} | {row['aggregate_tok_s']} | "
+                f"{_cell(ratio)} |"
             )
     mix = r.get("mixed", {})
     rows = {k: v for k, v in mix.items() if isinstance(v, dict)}
