@@ -491,6 +491,7 @@ class Executions:
         passed = self._passed
         if head is None:
             self._empty_seen_at = time.monotonic()
+            self._passed = None  # (a job requeued later may come back at that key)
         elif passed is None or head != passed[0] or queued is None or queued > passed[1]:
             self._work_waiting = True  # maybe one this worker may take
         elif queued < passed[1]:

@@ -319,9 +319,9 @@ def test_a_park_whose_checkpoint_is_ahead_of_the_stream_is_refused(store: Store)
 
 
 def test_a_step_reads_the_queue_head_once_and_says_what_it_added(store: Store) -> None:
-    """Several jobs' writes of one step: the first reads the queue head, every
-    job gets it, even when that first write was fenced; each says how many
-    events it added (a replay's events already stored: none)."""
+    """Several jobs' writes of one step: the first reads the queue head and
+    length, every job gets them, even when that first write was fenced; each
+    says how many events it added (a replay's events already stored: none)."""
     for job_id in ("a", "b"):
         _enqueue(store, job_id, 0, 1.0)
     store.workers.heartbeat("w1", now=1.0, ttl=100)
@@ -334,6 +334,7 @@ def test_a_step_reads_the_queue_head_once_and_says_what_it_added(store: Store) -
     first, second = store.steps(calls)
     assert isinstance(first, Step) and isinstance(second, Step)
     assert first.head_key is not None and second.head_key == first.head_key
+    assert first.queued == second.queued == 1
     assert (first.written, second.written) == (1, 1)
     # Replayed (already stored): nothing added.
     [again] = store.steps([StepCall(a.job_id, a.exec_token, "w1", 1, 1, ["x"])])
@@ -343,6 +344,9 @@ def test_a_step_reads_the_queue_head_once_and_says_what_it_added(store: Store) -
     fenced, ok = store.steps([stale, StepCall(b.job_id, b.exec_token, "w2", 2, 2, ["y2"])])
     assert isinstance(fenced, Fenced)
     assert isinstance(ok, Step) and ok.head_key == first.head_key
+    _enqueue(store, "later", 0, 4.0)
+    fenced, ok = store.steps([stale, StepCall(b.job_id, b.exec_token, "w2", 3, 3, ["y3"])])
+    assert isinstance(ok, Step) and ok.head_key == first.head_key and ok.queued == 2
 
 
 def test_a_claim_lost_in_a_failover_never_hands_out_the_same_token_again(store: Store) -> None:

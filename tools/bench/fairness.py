@@ -24,7 +24,8 @@ engine, is what is measured) with a keys file of four tenants, then:
   sequences free), each request 256 tokens, for ``--seconds`` / 2, greedy and
   with the openai client's defaults: Redis commands and Redis CPU time per
   generated token (INFO's total_commands_processed and used_cpu_sys +
-  used_cpu_user: every process's calls) and each tenant's tokens.
+  used_cpu_user: every process's calls), each tenant's tokens, and the jobs
+  waiting and running on average (read every 0.1 s).
 
 ``--parts`` picks some of them (default: all three).
 """
@@ -146,8 +147,10 @@ def weights(base: str, seconds: float, clients: int, greedy: bool) -> dict[str, 
             "ratio": round(tokens[HEAVY] / max(1, tokens[LIGHT]), 3)}  # fmt: skip
 
 
-def capped(base: str, redis_url: str, seconds: float, clients: int, greedy: bool) -> dict[str, Any]:
+def capped(base: str, settings: Any, seconds: float, clients: int, greedy: bool) -> dict[str, Any]:
     import redis
+
+    from jobs.store.scheduling import Store
 
     stop = time.monotonic() + seconds
     done: dict[str, list[int]] = {CAPPED: [], BIG: []}
@@ -165,12 +168,25 @@ def capped(base: str, redis_url: str, seconds: float, clients: int, greedy: bool
 
     threads = [threading.Thread(target=loop, args=(CAPPED, "interactive")) for _ in range(clients)]
     threads += [threading.Thread(target=loop, args=(BIG, "batch")) for _ in range(2)]
-    r = redis.Redis.from_url(redis_url)
+    r = redis.Redis.from_url(settings.redis_url or "")
+    keys = Store(r, settings).keys
+    # What the run held: jobs waiting and running, read every 0.1 s.
+    seen: list[tuple[int, int]] = []
+
+    def watch() -> None:
+        while time.monotonic() < stop:
+            with r.pipeline(transaction=False) as p:
+                p.zcard(keys.queue)
+                p.zcard(keys.running)
+                queued, running = p.execute()
+            seen.append((int(queued), int(running)))
+            time.sleep(0.1)
 
     def used() -> tuple[int, float]:
         info = r.info()
         return int(info["total_commands_processed"]), info["used_cpu_sys"] + info["used_cpu_user"]
 
+    threads.append(threading.Thread(target=watch))
     before, cpu_before = used()
     t0 = time.monotonic()
     for t in threads:
@@ -179,7 +195,8 @@ def capped(base: str, redis_url: str, seconds: float, clients: int, greedy: bool
         t.join()
     wall = time.monotonic() - t0
     after, cpu_after = used()
-    commands, cpu = after - before, cpu_after - cpu_before
+    commands = after - before - 2 * len(seen)  # (not the watch's own)
+    cpu = cpu_after - cpu_before
     r.close()
     tokens = {k: sum(v) for k, v in done.items()}
     total = sum(tokens.values())
@@ -187,7 +204,10 @@ def capped(base: str, redis_url: str, seconds: float, clients: int, greedy: bool
             "capped_clients": clients, "tokens_capped": tokens[CAPPED],
             "tokens_other": tokens[BIG], "tok_s": round(total / wall, 1),
             "redis_commands_per_token": round(commands / max(1, total), 2),
-            "redis_cpu_us_per_token": round(1e6 * cpu / max(1, total), 1)}  # fmt: skip
+            "redis_cpu_us_per_token": round(1e6 * cpu / max(1, total), 1),
+            "redis_cpu_pct": round(100 * cpu / wall, 1),
+            "waiting_mean": round(sum(q for q, _ in seen) / max(1, len(seen)), 2),
+            "running_mean": round(sum(n for _, n in seen) / max(1, len(seen)), 2)}  # fmt: skip
 
 
 def main() -> None:
@@ -224,8 +244,8 @@ def main() -> None:
                 if part == "weights":
                     row = weights(stack.base_url, args.seconds, args.clients, greedy)
                 else:
-                    row = capped(stack.base_url, stack.settings.redis_url or "",
-                                 args.seconds / 2, args.clients, greedy)  # fmt: skip
+                    row = capped(stack.base_url, stack.settings, args.seconds / 2,
+                                 args.clients, greedy)  # fmt: skip
                 print(json.dumps(row), flush=True)
                 results[part].append(row)
     write_results(args.out, results)

@@ -344,8 +344,17 @@ def concurrency(check: Check) -> dict[str, Any]:
         # parkq's default plan for the machine (exact); the same plan with
         # PARKQ_EXACT=0 (batches as wide as llama.cpp takes them, not bit-exact
         # across a park); one sequence per call, alone and at the most clients.
+        # The default plan is made once, before any stack takes memory, and
+        # given to both (each stack's own would see the others' memory gone).
+        from jobs.engine.capacity import sequence_plan_elsewhere
+
+        plan = sequence_plan_elsewhere(_settings(check, None))
+        planned = {"max_seqs": plan.max_seqs, "parked_seqs": plan.parked_seqs}
         for seqs, exact in ((None, True), (None, False), (1, True)):
-            stack = held.enter_context(_stack(check, _settings(check, seqs, exact=exact)))
+            settings = _settings(check, seqs, exact=exact)
+            if seqs is None:
+                settings = settings.model_copy(update=planned)
+            stack = held.enter_context(_stack(check, settings))
             burst(stack.base_url, 1, 4)  # warm
             turns.append(("parkq" if exact else "parkq inexact", seqs or "default",
                           stack.base_url, "parkq",
@@ -361,6 +370,7 @@ def concurrency(check: Check) -> dict[str, Any]:
                              **burst(url, n, tokens, SAMPLING[arm][whose])})  # fmt: skip
                 print(rows[-1], flush=True)
     return {"tokens": tokens, "rows": rows, "peer": check.server or "none (no llama-server)",
+            "default_plan": planned,
             "order": "paired: each burst sent to every system in turn, the order reversed "
                      "in odd rounds"}  # fmt: skip
 
@@ -540,7 +550,9 @@ def markdown(r: dict[str, Any]) -> str:
         # The peer's burst of the same round, for each (sampling, clients).
         peer = {(row["sampling"], row["clients"]): row for row in conc["rows"]
                 if row["system"] == "llama-server"}  # fmt: skip
-        lines += ["", f"## Simultaneous streams ({conc['tokens']} tokens each)", "",
+        plan = conc.get("default_plan") or {}
+        lines += ["", f"## Simultaneous streams ({conc['tokens']} tokens each; the default "
+                  f"plan: {plan.get('max_seqs')} sequences)", "",
                   "| system | seqs | sampling | clients | TTFT p50 | TTFT p95 | ITL p95 | tok/s "
                   "| tok/s vs llama-server |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for row in sorted(conc["rows"], key=lambda r: (r["system"], str(r["max_seqs"]),
