@@ -7,6 +7,9 @@ Retry-After, and is taken again once one of them has started."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +20,7 @@ import pytest
 import requests
 
 from tests.integration.conftest import TEST_ENV, start_parkq, stop_parkq
-from tests.integration.helpers import wait_until
+from tests.integration.helpers import children, wait_until
 
 ONE, FREE, ADMIN = "sk-one", "sk-free", "sk-admin"
 KEYS_FILE = f"""
@@ -33,18 +36,30 @@ keys = ["{FREE}"]
 keys = ["{ADMIN}"]
 admin = true
 """
+#: `parkq up` and its URL.
+Launched = tuple[subprocess.Popen[str], str]
 BODY = {"model": "tiny", "prompt": "Caps", "max_tokens": 600, "ignore_eos": True,
         "temperature": 0, "stream": True}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model: Path, tmp_path_factory: Any) -> Iterator[str]:
+def running(tiny_model: Path, tmp_path_factory: Any) -> Iterator[Launched]:
     path = tmp_path_factory.mktemp("keys") / "keys.toml"
     path.write_text(KEYS_FILE)
     env = {**TEST_ENV, "PARKQ_KEYS_FILE": str(path), "PARKQ_MAX_SEQS": "3"}
     proc, url = start_parkq(tiny_model, None, env=env)
-    yield url
+    yield proc, url
     stop_parkq(proc)
+
+
+@pytest.fixture
+def base(running: Launched) -> str:
+    return running[1]
+
+
+@pytest.fixture
+def stack(running: Launched) -> subprocess.Popen[str]:
+    return running[0]
 
 
 def _send(base: str, key: str, ids: list[str], body: dict[str, Any] = BODY) -> threading.Thread:
@@ -92,20 +107,39 @@ def test_a_tenant_capped_at_one_running_job_runs_one_at_a_time_beside_others(bas
     assert min(j["started_at"] for j in others) < first["finished_at"]
 
 
-def test_a_tenant_past_its_waiting_jobs_gets_429_until_one_starts(base: str) -> None:
+def _worker(up: subprocess.Popen[str]) -> int:
+    """The stack's worker process (a child of `parkq up`)."""
+    (worker,) = [pid for pid, cmd in children(up.pid) if " worker" in cmd]
+    return worker
+
+
+def test_a_tenant_past_its_waiting_jobs_gets_429_until_one_starts(
+    base: str, stack: subprocess.Popen[str]
+) -> None:
     mine: list[str] = []
-    # One runs (its cap) and two wait (max_queued); the fourth is refused.
-    threads = [_send(base, ONE, mine) for _ in range(3)]
-    wait_until(lambda: [_job(base, j)["state"] for j in mine].count("queued") == 2, timeout=60)
+    # One runs (its cap) and two wait (max_queued); the fourth is refused. The
+    # worker is held (SIGSTOP, for less than its heartbeat's TTL) from when the
+    # first runs until the tenant has asked, so that the running one cannot
+    # end in between, however fast the machine (3,000 tokens: it cannot end
+    # between the read that sees it run and the hold either).
+    worker = _worker(stack)
+    threads = [_send(base, ONE, mine, {**BODY, "max_tokens": 3000})]
+    wait_until(lambda: _job(base, mine[0])["state"] == "running", timeout=60)
     client = openai.OpenAI(base_url=base + "/v1", api_key=ONE, max_retries=0)
-    with pytest.raises(openai.RateLimitError) as refused:
-        client.completions.create(model="tiny", prompt="One more", max_tokens=2)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        threads += [_send(base, ONE, mine) for _ in range(2)]
+        assert [_job(base, j)["state"] for j in mine] == ["running", "queued", "queued"]
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(model="tiny", prompt="One more", max_tokens=2)
+        # A request of more choices than it may have waiting could never be taken: 400.
+        with pytest.raises(openai.BadRequestError) as too_many:
+            client.completions.create(model="tiny", prompt="Three", max_tokens=2, n=3)
+    finally:
+        os.kill(worker, signal.SIGCONT)
     assert refused.value.code == "queued_jobs_exceeded"
     assert "max_queued" in refused.value.message
     assert int(refused.value.response.headers["Retry-After"]) >= 1
-    # A request of more choices than it may have waiting could never be taken: 400.
-    with pytest.raises(openai.BadRequestError) as too_many:
-        client.completions.create(model="tiny", prompt="Three", max_tokens=2, n=3)
     assert too_many.value.param == "n" and "max_queued" in too_many.value.message
     # Another tenant is not refused meanwhile.
     other = openai.OpenAI(base_url=base + "/v1", api_key=FREE, max_retries=0)

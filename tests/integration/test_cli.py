@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from tests.integration.conftest import start_parkq, stop_parkq
-from tests.integration.helpers import job, read_events, submit_stream, wait_until
+from tests.integration.helpers import children, job, read_events, submit_stream, wait_until
 
 PARKQ = [sys.executable, "-m", "tools.cli"]
 
@@ -35,19 +35,6 @@ def test_make_test_model_is_deterministic(tmp_path: Path) -> None:
     assert digests[0] == digests[1] != digests[2]
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry))
-    return kids
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -65,7 +52,7 @@ def test_up_with_embedded_redis_stops_every_child_on_sigterm(tiny_model: Path) -
             base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60
         )
         assert out.status_code == 200
-        kids = _children(proc.pid)
+        kids = [pid for pid, _ in children(proc.pid)]
         assert len(kids) == 4  # redis, web, two workers
     finally:
         assert stop_parkq(proc) == 0
@@ -151,7 +138,8 @@ def test_workers_per_gpu_pins_one_worker_to_each_gpu(tiny_model: Path, tmp_path:
     proc, base = start_parkq(tiny_model, None, "--workers", "per-gpu", env=env, said=said)
     try:
         assert requests.get(base + "/readyz", timeout=10).json()["workers"] == 2
-        pins = sorted(e.get("CUDA_VISIBLE_DEVICES", "-") for e in map(_environ, _children(proc.pid))
+        kids = [pid for pid, _ in children(proc.pid)]
+        pins = sorted(e.get("CUDA_VISIBLE_DEVICES", "-") for e in map(_environ, kids)
                       if "PARKQ_WORKER_NAME" in e)  # fmt: skip
         assert pins == ["0", "1"]
         assert "2 workers" in said[-1]

@@ -11,8 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.integration.helpers import wait_until
-from tests.integration.test_restarts import _children
+from tests.integration.helpers import children, wait_until
 
 CLI = [sys.executable, "-m", "tools.cli"]
 
@@ -50,7 +49,7 @@ def _kill_worker_and_wait(proc: subprocess.Popen[str], seen: list[str]) -> tuple
     """SIGKILL the demo's worker once the stack is up; its exit status, stderr, kill time."""
     try:
         wait_until(lambda: any("parkq is up" in line for line in seen), timeout=300)
-        workers = [pid for pid, cmd in _children(proc.pid) if "tools.cli worker" in cmd]
+        workers = [pid for pid, cmd in children(proc.pid) if "tools.cli worker" in cmd]
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)  # what a segfault or the OOM killer does
         t0 = time.monotonic()

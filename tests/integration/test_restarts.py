@@ -20,6 +20,7 @@ import requests
 
 from tests.integration.conftest import TEST_ENV, start_parkq, stop_parkq
 from tests.integration.helpers import (
+    children,
     completion_text,
     job,
     logprob_tokens,
@@ -31,22 +32,6 @@ from tests.integration.test_parking import _long
 from tests.integration.test_workers import running_cluster
 
 CLI = [sys.executable, "-m", "tools.cli"]
-
-
-def _children(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of the processes whose parent is ``pid``."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append((int(entry.name), cmdline))
-    return out
 
 
 def test_a_worker_restarted_under_its_old_name_resumes_its_job(
@@ -87,7 +72,7 @@ def test_parkq_up_restarts_a_sigkilled_worker_and_keeps_serving(
                 return bool(job(base, job_id)["tokens"] > 100)
 
             wait_until(started)
-            workers = [pid for pid, cmd in _children(proc.pid) if " worker" in cmd]
+            workers = [pid for pid, cmd in children(proc.pid) if " worker" in cmd]
             assert len(workers) == 1
             os.kill(workers[0], signal.SIGKILL)
             events = read_events(resp)
@@ -133,7 +118,7 @@ def _restart_keeps_every_job(tiny_model: Path, tmp_path: Path, crash: bool) -> N
         )  # fmt: skip
         assert other.returncode == 1 and "is using the data directory" in other.stderr
         if crash:  # every process at once, as a power cut or an OOM kill of the group would
-            for pid, _ in _children(proc.pid):
+            for pid, _ in children(proc.pid):
                 os.kill(pid, signal.SIGKILL)
             proc.kill()
             proc.wait()

@@ -23,8 +23,7 @@ import redis
 import requests
 
 from tests.conftest import fresh_port
-from tests.integration.helpers import wait_until
-from tests.integration.test_restarts import _children
+from tests.integration.helpers import children, wait_until
 from tests.integration.test_workers import Cluster
 
 SECRET = "whsec_" + base64.b64encode(b"parkq webhook test secret 32 by").decode()
@@ -212,7 +211,7 @@ def test_an_event_waits_in_redis_across_a_web_restart_until_its_endpoint_is_back
         # Every web process at once, with no goodbye (gunicorn's workers too):
         # whatever one held in memory is gone.
         web = cluster.procs["web"]
-        for pid, _ in _children(web.pid):
+        for pid, _ in children(web.pid):
             os.kill(pid, signal.SIGKILL)
         web.kill()
         web.wait()
