@@ -331,6 +331,13 @@ def concurrency(check: Check) -> dict[str, Any]:
     budget_end = time.monotonic() + check.left()
     # (system, max_seqs, base URL, whose sampling fields, client counts)
     turns: list[tuple[str, Any, str, str, list[int]]] = []
+    # parkq's default plan is made once, before any system takes memory, and
+    # given to both default stacks (each stack's own would see the others'
+    # memory gone).
+    from jobs.engine.capacity import sequence_plan_elsewhere
+
+    plan = sequence_plan_elsewhere(_settings(check, None))
+    planned = {"max_seqs": plan.max_seqs, "parked_seqs": plan.parked_seqs}
     with contextlib.ExitStack() as held:
         if check.server:
             settings = _settings(check, check.limit)
@@ -344,12 +351,6 @@ def concurrency(check: Check) -> dict[str, Any]:
         # parkq's default plan for the machine (exact); the same plan with
         # PARKQ_EXACT=0 (batches as wide as llama.cpp takes them, not bit-exact
         # across a park); one sequence per call, alone and at the most clients.
-        # The default plan is made once, before any stack takes memory, and
-        # given to both (each stack's own would see the others' memory gone).
-        from jobs.engine.capacity import sequence_plan_elsewhere
-
-        plan = sequence_plan_elsewhere(_settings(check, None))
-        planned = {"max_seqs": plan.max_seqs, "parked_seqs": plan.parked_seqs}
         for seqs, exact in ((None, True), (None, False), (1, True)):
             settings = _settings(check, seqs, exact=exact)
             if seqs is None:
