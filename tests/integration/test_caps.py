@@ -118,7 +118,8 @@ def test_a_tenant_past_its_waiting_jobs_gets_429_until_one_starts(
 ) -> None:
     mine: list[str] = []
     # One runs (its cap) and two wait (max_queued); the fourth is refused. The
-    # worker is held (SIGSTOP, for less than its heartbeat's TTL) from when the
+    # worker is held (SIGSTOP, about a second; past its heartbeat's TTL it would
+    # still find its job, as no other worker here reaps it) from when the
     # first runs until the tenant has asked, so that the running one cannot
     # end in between, however fast the machine (3,000 tokens: it cannot end
     # between the read that sees it run and the hold either).
